@@ -1,0 +1,204 @@
+"""fp32 GEMM on generated kernels: `autohc.matmul` and the kernel objects behind it.
+
+    C := alpha * A @ B + beta * C
+
+A and B may be any strided 2-D float32 views (transposes are read in place as layouts: NN,
+NT = X @ W.T, TN = dY.T @ X), C needs one unit stride (a column-major C is computed as
+C.T = B.T @ A.T). torch CPU tensors and numpy arrays are both taken.
+"""
+from __future__ import annotations
+
+import functools
+import numbers
+import threading
+
+import numpy as np
+
+from . import cpu
+from .build import Library, build
+from .codegen import GemmParams, ParamError, default_params, gemm_cdef, render_gemm
+from .codegen.params import ISAS, MAX_THREADS
+
+try:  # torch is a dependency, but keep numpy-only use possible
+    import torch
+except ImportError:  # pragma: no cover
+    torch = None
+
+
+class KernelError(RuntimeError):
+    """A kernel could not run (out of memory, threads, or an ISA this CPU lacks)."""
+
+
+class GemmKernel:
+    """One compiled, verified GEMM configuration."""
+
+    def __init__(self, params: GemmParams):
+        self.params = params.validate()
+        spec = ISAS[params.isa]
+        self.library: Library = build(render_gemm(params), gemm_cdef(params), spec.cflags,
+                                      meta={"op": "gemm", "params": params.to_dict()})
+        fn = params.symbol
+        lib = self.library.lib
+        self._gemm = getattr(lib, f"{fn}_gemm")
+        self._ffi = self.library.ffi
+        self.runnable = bool(getattr(lib, f"{fn}_isa_supported")())
+        if self.runnable:
+            cpus = cpu.thread_cpus(params.clusters, params.tm * params.tn)
+            getattr(lib, f"{fn}_set_cpus")(self._ffi.new("int[]", cpus), len(cpus))
+
+    def run(self, M: int, N: int, K: int, alpha: float, a_ptr: int, rsa: int, csa: int,
+            b_ptr: int, rsb: int, csb: int, beta: float, c_ptr: int, ldc: int) -> None:
+        """Raw call on addresses and element strides (no checks beyond the ISA)."""
+        if not self.runnable:
+            raise KernelError(f"this CPU cannot run the {self.params.isa} back-end")
+        f = self._ffi
+        rc = self._gemm(M, N, K, alpha, f.cast("float *", a_ptr), rsa, csa,
+                        f.cast("float *", b_ptr), rsb, csb, beta, f.cast("float *", c_ptr), ldc)
+        if rc:
+            raise KernelError({-1: "out of memory for packed panels",
+                               -2: "cannot start GEMM threads"}.get(rc, f"error {rc}"))
+
+
+_kernels: dict[GemmParams, GemmKernel] = {}
+_kernels_lock = threading.Lock()
+
+
+def get_kernel(params: GemmParams) -> GemmKernel:
+    with _kernels_lock:
+        k = _kernels.get(params)
+        if k is None:
+            k = _kernels[params] = GemmKernel(params)
+        return k
+
+
+def default_threads() -> int:
+    return cpu.detect().cores
+
+
+@functools.lru_cache(maxsize=None)
+def default_kernel_params(threads: int, isa: str | None = None) -> GemmParams:
+    return default_params(isa or cpu.best_isa(), threads)
+
+
+# ----------------------------------------------------------------------------- operands
+
+class _Operand:
+    """A 2-D float32 operand seen as (address, shape, element strides)."""
+    __slots__ = ("obj", "ptr", "shape", "strides", "nbytes_span")
+
+    def __init__(self, obj, ptr, shape, strides):
+        self.obj, self.ptr, self.shape, self.strides = obj, ptr, shape, strides
+        lo = sum(min(0, (n - 1) * s) for n, s in zip(shape, strides)) if all(shape) else 0
+        hi = sum(max(0, (n - 1) * s) for n, s in zip(shape, strides)) if all(shape) else -1
+        self.nbytes_span = (ptr + 4 * lo, ptr + 4 * hi + 4)
+
+    def overlaps(self, other: "_Operand") -> bool:
+        (a0, a1), (b0, b1) = self.nbytes_span, other.nbytes_span
+        return a0 < b1 and b0 < a1
+
+
+def _kind(x) -> str:
+    if torch is not None and isinstance(x, torch.Tensor):
+        return "torch"
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    raise TypeError(f"autohc.matmul takes torch.Tensor or numpy.ndarray, not {type(x).__name__}")
+
+
+def _operand(x, name: str, kind: str) -> _Operand:
+    if _kind(x) != kind:
+        raise TypeError(f"autohc.matmul: {name} is a {_kind(x)} array but the others are {kind}; "
+                        "do not mix torch and numpy")
+    if x.ndim != 2:
+        raise ValueError(f"autohc.matmul: {name} must be 2-D, got {x.ndim}-D shape {tuple(x.shape)}")
+    if kind == "torch":
+        if x.device.type != "cpu":
+            raise TypeError(f"autohc.matmul: {name} is on {x.device}; only CPU tensors")
+        if x.layout != torch.strided:
+            raise TypeError(f"autohc.matmul: {name} has layout {x.layout}; only dense (strided)")
+        if x.dtype != torch.float32:
+            raise TypeError(f"autohc.matmul: {name} is {x.dtype}; only torch.float32")
+        if x.requires_grad and torch.is_grad_enabled():
+            raise TypeError(f"autohc.matmul: {name} requires grad and autohc.matmul does not "
+                            "record autograd; call it under torch.no_grad() or use torch.matmul "
+                            "with autohc.install()")
+        return _Operand(x, x.data_ptr(), tuple(x.shape), tuple(x.stride()))
+    if x.dtype != np.float32:
+        raise TypeError(f"autohc.matmul: {name} is {x.dtype}; only float32")
+    if not x.flags.aligned or any(s % 4 for s in x.strides):
+        raise ValueError(f"autohc.matmul: {name} is not aligned to 4-byte floats; "
+                         "pass np.ascontiguousarray(...) of it")
+    return _Operand(x, x.ctypes.data, tuple(x.shape), tuple(s // 4 for s in x.strides))
+
+
+def _scalar(v, name: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"autohc.matmul: {name} must be a real number, got {v!r}")
+    return float(v)
+
+
+def _copy(x, kind: str):
+    return x.clone() if kind == "torch" else x.copy()
+
+
+def matmul(a, b, *, out=None, alpha=1.0, beta=0.0, threads=None):
+    """C = alpha * a @ b + beta * out, for 2-D float32 CPU torch tensors or numpy arrays.
+
+    - a: (M, K), b: (K, N), any strides (a transposed view is a layout, not a copy).
+    - out: optional (M, N) float32 result, written in place and returned; needed if beta != 0.
+    - threads: GEMM threads (default: every CPU this process may use).
+    Raises TypeError / ValueError for what it does not handle, before writing anything.
+    """
+    kind = _kind(a)
+    A, B = _operand(a, "a", kind), _operand(b, "b", kind)
+    alpha, beta = _scalar(alpha, "alpha"), _scalar(beta, "beta")
+    M, K = A.shape
+    K2, N = B.shape
+    if K != K2:
+        raise ValueError(f"autohc.matmul: shapes {A.shape} and {B.shape} do not multiply "
+                         f"(a has {K} columns, b has {K2} rows)")
+    if threads is None:
+        threads = default_threads()
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS:
+        raise ValueError(f"autohc.matmul: threads must be an int in [1, {MAX_THREADS}], got {threads!r}")
+
+    if out is None:
+        if beta != 0.0:
+            raise ValueError("autohc.matmul: beta != 0 needs out= (the C to accumulate into)")
+        out = torch.empty((M, N), dtype=torch.float32) if kind == "torch" else np.empty((M, N), np.float32)
+    C = _operand(out, "out", kind)
+    if C.shape != (M, N):
+        raise ValueError(f"autohc.matmul: out has shape {C.shape}, expected {(M, N)}")
+    if M == 0 or N == 0:
+        return out
+    if (M > 1 and C.strides[0] == 0) or (N > 1 and C.strides[1] == 0):
+        raise ValueError("autohc.matmul: out has a zero stride (an expanded view); "
+                         "several results would land on one element")
+    # inputs that alias the output are read from a copy, so the result is still a @ b
+    if A.overlaps(C):
+        A = _operand(_copy(a, kind), "a", kind)
+    if B.overlaps(C):
+        B = _operand(_copy(b, kind), "b", kind)
+
+    kernel = get_kernel(default_kernel_params(threads))
+    if C.strides[1] == 1 or N == 1:
+        kernel.run(M, N, K, alpha, A.ptr, A.strides[0], A.strides[1], B.ptr, B.strides[0],
+                   B.strides[1], beta, C.ptr, C.strides[0] if M > 1 else max(N, 1))
+    elif C.strides[0] == 1 or M == 1:
+        # column-major C: C^T (N x M, row-major) = B^T A^T, swapping the operands' strides
+        kernel.run(N, M, K, alpha, B.ptr, B.strides[1], B.strides[0], A.ptr, A.strides[1],
+                   A.strides[0], beta, C.ptr, C.strides[1])
+    else:
+        # no unit stride at all: compute into a contiguous buffer and scatter
+        tmp = _copy(out, kind) if beta != 0.0 else None
+        if tmp is None:
+            tmp = torch.empty((M, N), dtype=torch.float32) if kind == "torch" else np.empty((M, N), np.float32)
+        elif kind == "torch":
+            tmp = tmp.contiguous()
+        else:
+            tmp = np.ascontiguousarray(tmp)
+        T = _operand(tmp, "out", kind)
+        kernel.run(M, N, K, alpha, A.ptr, A.strides[0], A.strides[1], B.ptr, B.strides[0],
+                   B.strides[1], beta, T.ptr, N)
+        out[...] = tmp
+    return out
