@@ -141,12 +141,13 @@ def _copy(x, kind: str):
     return x.clone() if kind == "torch" else x.copy()
 
 
-def matmul(a, b, *, out=None, alpha=1.0, beta=0.0, threads=None):
+def matmul(a, b, *, out=None, alpha=1.0, beta=0.0, threads=None, params: GemmParams | None = None):
     """C = alpha * a @ b + beta * out, for 2-D float32 CPU torch tensors or numpy arrays.
 
     - a: (M, K), b: (K, N), any strides (a transposed view is a layout, not a copy).
     - out: optional (M, N) float32 result, written in place and returned; needed if beta != 0.
     - threads: GEMM threads (default: every CPU this process may use).
+    - params: run this kernel configuration instead of the default one for `threads`.
     Raises TypeError / ValueError for what it does not handle, before writing anything.
     """
     kind = _kind(a)
@@ -157,10 +158,18 @@ def matmul(a, b, *, out=None, alpha=1.0, beta=0.0, threads=None):
     if K != K2:
         raise ValueError(f"autohc.matmul: shapes {A.shape} and {B.shape} do not multiply "
                          f"(a has {K} columns, b has {K2} rows)")
-    if threads is None:
-        threads = default_threads()
-    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS:
-        raise ValueError(f"autohc.matmul: threads must be an int in [1, {MAX_THREADS}], got {threads!r}")
+    if params is not None:
+        if not isinstance(params, GemmParams):
+            raise TypeError(f"autohc.matmul: params must be a GemmParams, not {type(params).__name__}")
+        params.validate()
+        if threads is not None and threads != params.threads:
+            raise ValueError(f"autohc.matmul: threads={threads} but params run {params.threads}")
+    else:
+        if threads is None:
+            threads = default_threads()
+        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS:
+            raise ValueError(f"autohc.matmul: threads must be an int in [1, {MAX_THREADS}], "
+                             f"got {threads!r}")
 
     if out is None:
         if beta != 0.0:
@@ -180,7 +189,7 @@ def matmul(a, b, *, out=None, alpha=1.0, beta=0.0, threads=None):
     if B.overlaps(C):
         B = _operand(_copy(b, kind), "b", kind)
 
-    kernel = get_kernel(default_kernel_params(threads))
+    kernel = get_kernel(params if params is not None else default_kernel_params(threads))
     if C.strides[1] == 1 or N == 1:
         kernel.run(M, N, K, alpha, A.ptr, A.strides[0], A.strides[1], B.ptr, B.strides[0],
                    B.strides[1], beta, C.ptr, C.strides[0] if M > 1 else max(N, 1))

@@ -1,0 +1,152 @@
+"""Seeded fuzz of the generated GEMM against float64 torch, for every back-end this CPU runs.
+
+Each problem draws: layout (NN, NT, TN, TT), M/N/K from small primes, tile edges and powers
+of two (0 and 1 included), strided / offset / broadcast views, torch or numpy, alpha, beta
+(beta = 0 over a NaN-filled C: C must not be read), and the shape of C (row-major, column-major,
+row-padded, no unit stride).
+"""
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import autohc
+from autohc import cpu
+from autohc.codegen import GemmParams, default_params
+
+from gemm_reference import check
+
+SIZES = [0, 1, 2, 3, 5, 7, 13, 31, 64, 127, 257]
+ALPHAS = [1.0, -1.0, 0.5, 2.25, 0.0]
+BETAS = [0.0, 0.0, 1.0, -0.75, 0.3]
+
+
+def edge_sizes(p: GemmParams) -> list[int]:
+    edges = {p.mr - 1, p.mr, p.mr + 1, 2 * p.mr + 1, p.nr - 1, p.nr, p.nr + 1,
+             p.kc - 1, p.kc, p.kc + 1, p.mc + 1, p.nc + 1, p.k_unroll + 1}
+    return sorted(e for e in edges if 0 <= e <= 600)
+
+
+def make_operand(rows, cols, transposed, style, lib, rng):
+    """A rows x cols float32 view with the storage layout and style asked for."""
+    shape = (cols, rows) if transposed else (rows, cols)
+    if style == "contiguous":
+        base = torch.randn(*shape)
+        view = base
+    elif style == "strided":            # every 2nd row, every 3rd column
+        base = torch.randn(shape[0] * 2, shape[1] * 3)
+        view = base[::2, ::3]
+    elif style == "offset":             # a window inside a larger row-padded tensor
+        base = torch.randn(shape[0] + 3, shape[1] + 5)
+        view = base[1:1 + shape[0], 2:2 + shape[1]]
+    elif style == "broadcast":          # zero stride: one row repeated
+        base = torch.randn(1, shape[1])
+        view = base.expand(shape[0], shape[1])
+    else:
+        raise AssertionError(style)
+    view = view.t() if transposed else view
+    if lib == "numpy":
+        arr = view.numpy()
+        if style == "strided" and rng.random() < 0.5:
+            arr = arr[::-1, :] if arr.shape[0] > 0 else arr   # negative stride
+        return arr
+    return view
+
+
+def make_out(M, N, style, lib, fill):
+    if style == "rowmajor":
+        c = torch.empty(M, N)
+    elif style == "colmajor":
+        c = torch.empty(N, M).t()
+    elif style == "padded":
+        c = torch.empty(M, N + 7)[:, :N]
+    else:                                # no unit stride
+        c = torch.empty(M * 2, N * 2)[::2, ::2]
+    c.copy_(fill)
+    return c.numpy() if lib == "numpy" else c
+
+
+def run_fuzz(params: GemmParams, n_problems: int, seed: int):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    sizes = SIZES + edge_sizes(params)
+    for i in range(n_problems):
+        M, N, K = (rng.choice(sizes) for _ in range(3))
+        ta, tb = rng.random() < 0.5, rng.random() < 0.5
+        lib = rng.choice(["torch", "numpy"])
+        sa = rng.choice(["contiguous", "contiguous", "strided", "offset", "broadcast"])
+        sb = rng.choice(["contiguous", "contiguous", "strided", "offset"])
+        so = rng.choice(["rowmajor", "rowmajor", "colmajor", "padded", "nounit"])
+        alpha, beta = rng.choice(ALPHAS), rng.choice(BETAS)
+        a = make_operand(M, K, ta, sa, lib, rng)
+        b = make_operand(K, N, tb, sb, lib, rng)
+        c0 = torch.randn(M, N)
+        fill = c0 if beta != 0.0 else torch.full((M, N), float("nan"))
+        out = make_out(M, N, so, lib, fill)
+        what = (f"problem {i} [{params.isa} {params.clusters}x{params.tm}x{params.tn}]: "
+                f"M={M} N={N} K={K} layout={'T' if ta else 'N'}{'T' if tb else 'N'} "
+                f"a={sa} b={sb} out={so} {lib} alpha={alpha} beta={beta}")
+        res = autohc.matmul(a, b, out=out, alpha=alpha, beta=beta, params=params)
+        assert res is out, what
+        check(res, a, b, c0, alpha, beta, what)
+
+
+RUNNABLE = cpu.runnable_isas()
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
+def test_fuzz_default_config_500(isa):
+    """The acceptance fuzz: 500 problems per back-end, zero failures."""
+    if isa not in RUNNABLE:
+        pytest.skip(f"this CPU cannot run {isa} (compile-only test in test_codegen)")
+    run_fuzz(default_params(isa, 1), 500, seed=20261122)
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
+def test_fuzz_two_clusters(isa):
+    if isa not in RUNNABLE:
+        pytest.skip(f"this CPU cannot run {isa}")
+    run_fuzz(default_params(isa, 2), 200, seed=7)
+
+
+# Thread and buffering geometries with tiny tiles, so that every problem crosses many
+# KC / MC / NC panels, every thread edge and the ring of B buffers.
+STRESS = [
+    dict(isa="avx2", mr=6, nr=16, kc=8, mc=12, nc=32, k_unroll=8, clusters=2, tm=2, tn=2, depth=3,
+         prefetch_a=4, prefetch_b=2),
+    dict(isa="avx2", mr=4, nr=24, kc=16, mc=8, nc=48, k_unroll=2, clusters=1, tm=2, tn=1, depth=1),
+    dict(isa="avx2", mr=8, nr=8, kc=12, mc=16, nc=24, k_unroll=1, clusters=1, tm=1, tn=2, depth=2,
+         prefetch_c=False),
+    dict(isa="avx512", mr=14, nr=32, kc=12, mc=28, nc=64, k_unroll=4, clusters=2, tm=1, tn=1, depth=2),
+    dict(isa="avx512", mr=6, nr=64, kc=20, mc=12, nc=128, k_unroll=8, clusters=1, tm=2, tn=2, depth=3),
+    dict(isa="portable", vl=4, mr=4, nr=8, kc=8, mc=8, nc=16, k_unroll=2, clusters=2, tm=1, tn=2, depth=3),
+    dict(isa="portable", vl=8, mr=3, nr=16, kc=9, mc=9, nc=32, k_unroll=4, clusters=1, tm=3, tn=1, depth=1),
+]
+
+
+@pytest.mark.parametrize("cfg", STRESS, ids=lambda c: f"{c['isa']}-{c['mr']}x{c['nr']}-"
+                         f"{c['clusters']}x{c['tm']}x{c['tn']}-d{c['depth']}")
+def test_fuzz_stress_geometries(cfg):
+    cfg = dict(cfg)
+    isa = cfg["isa"]
+    if isa not in RUNNABLE:
+        pytest.skip(f"this CPU cannot run {isa}")
+    cfg.setdefault("vl", {"avx2": 8, "avx512": 16}.get(isa, 4))
+    params = GemmParams(**cfg).validate()
+    run_fuzz(params, 120, seed=hash(tuple(sorted(cfg.items()))) & 0xFFFF)
+
+
+def test_nan_and_inf_propagate():
+    params = default_params(cpu.best_isa(), 1)
+    a = torch.randn(9, 20)
+    b = torch.randn(20, 17)
+    a[3, 5] = float("nan")
+    b[2, 4] = float("inf")
+    out = autohc.matmul(a, b, params=params)
+    ref = a.double() @ b.double()
+    assert torch.isnan(out[3]).all()
+    same = ~torch.isnan(ref)
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))
+    assert torch.equal(torch.isinf(out[same]), torch.isinf(ref[same]))
