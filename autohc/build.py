@@ -104,13 +104,33 @@ def _atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
-def build_key(source: str, cdef: str, flags: tuple[str, ...], cc: str) -> str:
+def source_key(source: str, cdef: str, flags: tuple[str, ...]) -> str:
+    """Hash of what is compiled, independent of the compiler."""
     h = hashlib.sha256()
-    for part in (source, cdef, " ".join(flags), compiler_version(cc), sys.implementation.cache_tag,
+    for part in (source, cdef, " ".join(flags), sys.implementation.cache_tag,
                  sysconfig.get_config_var("EXT_SUFFIX") or "", cffi.__version__):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()
+
+
+def build_key(source: str, cdef: str, flags: tuple[str, ...], cc: str) -> str:
+    """The cache key: what is compiled and the compiler that compiles it."""
+    h = hashlib.sha256(source_key(source, cdef, flags).encode())
+    h.update(compiler_version(cc).encode())
+    return h.hexdigest()
+
+
+def _entry_without_compiler(skey: str) -> tuple[Path, str] | None:
+    """With no compiler here, any verified build of the same source will do."""
+    for rec in sorted((cache_dir() / "kernels").glob("*/record.json")):
+        try:
+            record = json.loads(rec.read_text())
+            if record.get("source_key") == skey:
+                return rec.parent, record["key"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
 
 
 def _module_name(key: str) -> str:
@@ -179,13 +199,17 @@ def _compile(source: str, cdef: str, flags: tuple[str, ...], cc: str, key: str,
 def build(source: str, cdef: str, flags: tuple[str, ...] = (), *, meta: dict | None = None) -> Library:
     """Compile (or fetch from the cache) and load a verified library. Thread- and process-safe."""
     flags = tuple(flags)
-    cc = os.environ.get("CC", "gcc").split()[0]
-    cc_path = shutil.which(cc) or cc
-    key = build_key(source, cdef, flags, cc_path)
+    skey = source_key(source, cdef, flags)
+    cc_path = shutil.which(os.environ.get("CC", "gcc").split()[0])
+    found = None if cc_path else _entry_without_compiler(skey)
+    if found:
+        entry, key = found
+    else:
+        key = build_key(source, cdef, flags, compiler())
+        entry = cache_dir() / "kernels" / key[:32]
     with _lock:
         if key in _loaded:
             return _loaded[key]
-        entry = cache_dir() / "kernels" / key[:32]
         lib = _load_verified(entry, key)
         if lib is None:
             cc_path = compiler()     # only now is a compiler needed
@@ -198,7 +222,7 @@ def build(source: str, cdef: str, flags: tuple[str, ...] = (), *, meta: dict | N
                 final = entry / f"{so.stem}.{digest[:16]}{''.join(so.suffixes[-1:])}"
                 os.replace(so, final)
                 (entry / "source.c").exists() or _atomic_write_text(entry / "source.c", source)
-                record = {"key": key, "file": final.name, "sha256": digest, "flags": list(flags),
+                record = {"key": key, "source_key": skey, "file": final.name, "sha256": digest, "flags": list(flags),
                           "compiler": compiler_version(cc_path), "built_at": time.time(),
                           "build_seconds": round(time.perf_counter() - t0, 3), **(meta or {})}
                 _atomic_write_text(entry / "record.json", json.dumps(record, indent=1))

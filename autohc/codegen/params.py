@@ -38,7 +38,7 @@ CHOICES: dict[str, tuple] = {
     "prefetch_c": (False, True), "pin": (False, True),
 }
 MAX_THREADS = 256
-MAX_BUFFER_FLOATS = 1 << 28        # 1 GiB per packed buffer
+MAX_BUFFER_FLOATS = 1 << 26        # 256 MiB per packed buffer
 
 
 class ParamError(ValueError):
@@ -99,7 +99,7 @@ class GemmParams:
         if self.threads > MAX_THREADS:
             raise ParamError(f"clusters*tm*tn = {self.threads} threads; at most {MAX_THREADS}")
         if self.kc * self.nc > MAX_BUFFER_FLOATS or self.mc * self.kc > MAX_BUFFER_FLOATS:
-            raise ParamError("packed panel larger than 1 GiB: lower kc, mc or nc")
+            raise ParamError("packed panel larger than 256 MiB: lower kc, mc or nc")
         return self
 
     def to_dict(self) -> dict:

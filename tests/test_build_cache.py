@@ -1,0 +1,147 @@
+"""The kernel cache: location, verification before load, corruption, races, no compiler.
+
+Each scenario runs in a fresh Python process with its own cache directory, because a process
+keeps the libraries it loaded (as Python keeps imported extension modules).
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from autohc.build import cache_dir
+
+SCRIPT = textwrap.dedent("""
+    import json, sys, warnings
+    import numpy as np
+    import autohc
+    from autohc.codegen import default_params
+    warnings.simplefilter("always")
+    caught = []
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        a = np.arange(12, dtype=np.float32).reshape(3, 4)
+        b = np.ones((4, 5), np.float32)
+        c = autohc.matmul(a, b, params=default_params("portable", 1))
+        caught = [str(x.message) for x in w]
+    from autohc.build import cache_entries
+    print(json.dumps({"ok": bool(np.allclose(c, a @ b)), "warnings": caught,
+                      "entries": len(cache_entries())}))
+""")
+
+
+def run_kernel(cache: Path, **env_extra):
+    env = {**os.environ, "AUTOHC_CACHE_DIR": str(cache), **env_extra}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300)
+    return proc
+
+
+def ok(proc):
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def entries(cache: Path):
+    return sorted((cache / "kernels").glob("*/record.json"))
+
+
+def test_cache_dir_precedence(monkeypatch, tmp_path):
+    monkeypatch.setenv("AUTOHC_CACHE_DIR", str(tmp_path / "a"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert cache_dir() == tmp_path / "a"
+    monkeypatch.delenv("AUTOHC_CACHE_DIR")
+    assert cache_dir() == tmp_path / "x" / "autohc"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "autohc"
+
+
+def test_build_once_then_reuse(tmp_path):
+    r1 = ok(run_kernel(tmp_path))
+    assert r1["ok"] and r1["entries"] == 1 and not r1["warnings"]
+    (rec,) = entries(tmp_path)
+    first = json.loads(rec.read_text())
+    lib = rec.parent / first["file"]
+    mtime = lib.stat().st_mtime_ns
+    r2 = ok(run_kernel(tmp_path))
+    assert r2["ok"] and r2["entries"] == 1 and not r2["warnings"]
+    assert lib.stat().st_mtime_ns == mtime          # reused, not rebuilt
+    assert json.loads(rec.read_text())["sha256"] == first["sha256"]
+
+
+def test_tampered_library_is_not_loaded_but_rebuilt(tmp_path):
+    ok(run_kernel(tmp_path))
+    (rec,) = entries(tmp_path)
+    record = json.loads(rec.read_text())
+    lib = rec.parent / record["file"]
+    # Replace the library with one that would crash the process if it were ever loaded.
+    lib.write_bytes(b"\x7fELF not a real library" + os.urandom(64))
+    r = ok(run_kernel(tmp_path))
+    assert r["ok"]
+    assert any("does not match its recorded sha256" in w for w in r["warnings"])
+    new = json.loads(rec.read_text())
+    assert (rec.parent / new["file"]).read_bytes()[:4] == b"\x7fELF"
+    import hashlib
+    assert hashlib.sha256((rec.parent / new["file"]).read_bytes()).hexdigest() == new["sha256"]
+
+
+@pytest.mark.parametrize("corruption", ["garbage", "empty", "wrong-key", "path-escape"])
+def test_corrupt_record_is_ignored_and_rebuilt(tmp_path, corruption):
+    ok(run_kernel(tmp_path))
+    (rec,) = entries(tmp_path)
+    record = json.loads(rec.read_text())
+    if corruption == "garbage":
+        rec.write_text("{ this is not json")
+    elif corruption == "empty":
+        rec.write_text("")
+    elif corruption == "wrong-key":
+        rec.write_text(json.dumps({**record, "key": "0" * 64}))
+    else:
+        rec.write_text(json.dumps({**record, "file": "../../evil.so"}))
+    r = ok(run_kernel(tmp_path))
+    assert r["ok"]
+    assert any("corrupt cache record" in w for w in r["warnings"])
+    assert json.loads(rec.read_text())["key"] == record["key"]
+
+
+def test_missing_compiler_one_line_error(tmp_path):
+    proc = run_kernel(tmp_path, CC="autohc-no-such-compiler")
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "CompilerNotFoundError" in last and "install gcc" in last
+    assert not entries(tmp_path)                    # nothing half-written
+
+
+def test_cached_kernel_needs_no_compiler(tmp_path):
+    ok(run_kernel(tmp_path))
+    r = ok(run_kernel(tmp_path, CC="autohc-no-such-compiler"))
+    assert r["ok"]
+
+
+def test_concurrent_builders_never_tear(tmp_path):
+    """Four processes build the same kernel at once: all succeed, one valid entry remains."""
+    env = {**os.environ, "AUTOHC_CACHE_DIR": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+        assert json.loads(out.strip().splitlines()[-1])["ok"]
+    (rec,) = entries(tmp_path)
+    record = json.loads(rec.read_text())
+    import hashlib
+    assert hashlib.sha256((rec.parent / record["file"]).read_bytes()).hexdigest() == record["sha256"]
+    assert not list(rec.parent.glob(".build-*")) and not list(rec.parent.glob(".tmp-*"))
+    assert ok(run_kernel(tmp_path))["warnings"] == []
+
+
+def test_compile_error_is_reported(tmp_path, monkeypatch):
+    from autohc.build import BuildError, build
+    monkeypatch.setenv("AUTOHC_CACHE_DIR", str(tmp_path))
+    with pytest.raises(BuildError, match="failed"):
+        build("int f(void) { return syntax error; }", "int f(void);", ())
+    assert not entries(tmp_path)
