@@ -32,6 +32,7 @@ RANGES: dict[str, tuple[int, int]] = {
     "mr": (1, 32), "nr": (4, 128), "kc": (4, 4096), "mc": (1, 16384), "nc": (4, 65536),
     "clusters": (1, 256), "tm": (1, 256), "tn": (1, 256),
     "prefetch_a": (0, 32), "prefetch_b": (0, 32), "spin_us": (0, 1_000_000),
+    "skinny_m": (0, 64),
 }
 CHOICES: dict[str, tuple] = {
     "isa": tuple(ISAS), "k_unroll": (1, 2, 4, 8), "depth": (1, 2, 3),
@@ -64,6 +65,7 @@ class GemmParams:
     prefetch_c: bool = True         # touch the C tile before the k loop
     pin: bool = True                # pin worker threads to CPUs
     spin_us: int = 200              # idle spin before a worker sleeps
+    skinny_m: int = 16              # M up to this, NT layout: unpacked dot-product path (0: off)
 
     @property
     def threads(self) -> int:
