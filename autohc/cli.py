@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--repeats", type=_positive_int, default=7, help="timed repeats (default: 7)")
     g.add_argument("--json", action="store_true",
                    help="print JSON (one object per thread count) instead of tables")
+    g.add_argument("--markdown", action="store_true", help="print Markdown tables (as in the README)")
     g.add_argument("--contended", action="store_true",
                    help="keep the libraries' spinning thread pools (default: all three wait "
                         "passively, via OMP_WAIT_POLICY=PASSIVE and OPENBLAS_THREAD_TIMEOUT=4, "
@@ -108,6 +109,10 @@ def cmd_bench_gemm(args) -> int:
         for r in results:
             print(json.dumps(r))
         return 0
+    if args.markdown:
+        for r in results:
+            print(markdown_table(r))
+        return 0
     out = Console(width=max(Console().width, 130))
     for r in results:
         t = Table(title=f"{r['model']} training GEMMs, {r['threads']} thread(s), {r['isa']} "
@@ -124,6 +129,19 @@ def cmd_bench_gemm(args) -> int:
                      f"{r['geomean_speedup_vs_numpy']:.2f}x numpy")
         out.print(t)
     return 0
+
+
+def markdown_table(r: dict) -> str:
+    lines = [f"**{r['model']}, {r['threads']} thread(s)**, {r['isa']}, measured peak "
+             f"{r['peak_gflops_per_core']} GFLOP/s per core; geomean "
+             f"**{r['geomean_speedup_vs_torch']:.2f}x torch, {r['geomean_speedup_vs_numpy']:.2f}x numpy**",
+             "", "| GEMM | layout | M | K | N | autohc GFLOP/s | % peak | torch | numpy | x torch | x numpy |",
+             "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    for w in r["rows"]:
+        lines.append(f"| {w['name']} | {w['layout']} | {w['M']} | {w['K']} | {w['N']} | {w['gflops']:.1f} "
+                     f"| {w['pct_peak']:.0f}% | {w['torch_gflops']:.1f} | {w['numpy_gflops']:.1f} "
+                     f"| {w['speedup_vs_torch']:.2f} | {w['speedup_vs_numpy']:.2f} |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
