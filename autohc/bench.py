@@ -17,51 +17,7 @@ import torch
 from . import cpu
 from .codegen import GemmParams
 from .gemm import default_kernel_params, get_kernel, matmul
-
-# DiT sizes (facebookresearch/DiT): hidden size; tokens per image at 256 px with patch 2
-HIDDEN = {"dit-s": 384, "dit-b": 768, "dit-l": 1024, "dit-xl": 1152}
-TOKENS = 256
-
-
-@dataclass(frozen=True)
-class GemmProblem:
-    """One training GEMM of a Linear(K -> N) on M rows, in one layout.
-
-    NT: forward  Y[M,N]  = X[M,K] @ W[N,K]^T
-    NN: backward dX[M,K] = dY[M,N] @ W[N,K]
-    TN: backward dW[N,K] = dY[M,N]^T @ X[M,K]
-    """
-    name: str
-    layout: str
-    M: int
-    K: int
-    N: int
-
-    @property
-    def flops(self) -> int:
-        return 2 * self.M * self.K * self.N
-
-    def operands(self, seed: int = 0):
-        """(a, b) float32 torch views for the GEMM of this layout (transposes as strides)."""
-        g = torch.Generator().manual_seed(seed)
-        x = torch.randn(self.M, self.K, generator=g)
-        w = torch.randn(self.N, self.K, generator=g) * 0.03
-        dy = torch.randn(self.M, self.N, generator=g)
-        return {"NT": (x, w.t()), "NN": (dy, w), "TN": (dy.t(), x)}[self.layout]
-
-
-def dit_problems(model: str = "dit-xl", images: int = 8) -> list[GemmProblem]:
-    """The training GEMMs of one DiT block: 4 token Linears x 3 layouts at M = images*256,
-    and the skinny adaLN Linear (M = images) x 3 layouts."""
-    if model not in HIDDEN:
-        raise ValueError(f"unknown model {model!r}; one of {sorted(HIDDEN)}")
-    d = HIDDEN[model]
-    m = images * TOKENS
-    linears = [("qkv", d, 3 * d), ("proj", d, d), ("fc1", d, 4 * d), ("fc2", 4 * d, d)]
-    out = [GemmProblem(n, lay, m, k, nn) for lay in ("NT", "NN", "TN") for n, k, nn in linears]
-    out += [GemmProblem("adaLN", lay, images, d, 6 * d) for lay in ("NT", "NN", "TN")]
-    return out
-
+from .problem import GemmProblem, dit_problems  # noqa: F401 (re-exported)
 
 def _median_time(fn, repeats: int) -> float:
     ts = []
@@ -102,7 +58,8 @@ class GemmRow:
 
 
 def bench_problem(p: GemmProblem, threads: int, *, repeats: int = 7, params: GemmParams | None = None,
-                  peak_per_core: float | None = None, target_seconds: float = 0.25) -> GemmRow:
+                  peak_per_core: float | None = None, target_seconds: float = 0.25,
+                  with_numpy: bool = True) -> GemmRow:
     """Time one problem for autohc, torch and numpy, interleaved round-robin."""
     a, b = p.operands()
     # the layout of the operands in the GEMM sense: result is (a.rows, b.cols)
@@ -117,6 +74,8 @@ def bench_problem(p: GemmProblem, threads: int, *, repeats: int = 7, params: Gem
         "torch": lambda: torch.matmul(a, b, out=out),
         "numpy": lambda: np.matmul(an, bn, out=on),
     }
+    if not with_numpy:
+        del fns["numpy"]
     undo = _set_blas_threads(threads)
     try:
         for f in fns.values():          # warm-up: page faults, thread pools, packing buffers
@@ -139,6 +98,7 @@ def bench_problem(p: GemmProblem, threads: int, *, repeats: int = 7, params: Gem
         undo()
     t = {k: statistics.median(v) for k, v in samples.items()}
     g = {k: p.flops / v / 1e9 for k, v in t.items()}
+    g.setdefault("numpy", float("nan"))
     peak = (peak_per_core or 0.0) * threads
     del kernel
     return GemmRow(p.name, p.layout, p.M, p.K, p.N, threads, round(g["autohc"], 1),

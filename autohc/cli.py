@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 # torch's libgomp threads spin for milliseconds after each parallel region and OpenBLAS's for
 # ~2^28 cycles; interleaved with another library's threads they steal the cores. A fair
@@ -16,10 +17,20 @@ import sys
 PASSIVE_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "OPENBLAS_THREAD_TIMEOUT": "4"}
 
 EPILOG = """examples:
+  autohc tune --shape 1152x4608 --layout NT --threads 1
+  autohc tune --model dit-xl --threads 2 --timeout 30
+  autohc export --out generated/
   autohc info
   autohc bench gemm --model dit-xl --threads 1 2
   autohc bench gemm --model dit-s --threads 2 --json > gemm.json
 """
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Bad input: one line on stderr (what is wrong), exit code 2; --help teaches the rest."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _positive_int(text: str) -> int:
@@ -32,14 +43,70 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _shape(text: str) -> tuple[int, int]:
+    from .problem import parse_shape
+    try:
+        return parse_shape(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = OneLineParser(
         prog="autohc", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
         description="Generated, autotuned CPU kernels for Diffusion Transformer training.")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     info = sub.add_parser("info", help="CPU, ISA, caches, NUMA, measured FMA peak, kernel cache")
     info.add_argument("--json", action="store_true", help="one JSON object instead of text")
+
+    tune = sub.add_parser(
+        "tune", formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="search kernel parameters for a GEMM by measurement (Optuna) and remember the best",
+        description="Tunes the GEMM kernel for the training GEMMs of a Linear(K -> N) on M rows: "
+                    "each trial renders, builds, verifies (a wrong kernel can never win) and times "
+                    "a configuration against torch. The best goes to the registry, which "
+                    "autohc.matmul consults on every call. A problem already tuned is answered "
+                    "from the registry (--force to retune); an interrupted tune resumes.",
+        epilog="examples:\n  autohc tune --shape 1152x4608                 # NT, NN and TN, M = 2048\n"
+               "  autohc tune --shape 1152x4608 --layout NT --threads 1 --json\n"
+               "  autohc tune --model dit-xl --threads 2 --timeout 30\n"
+               "  autohc tune --shape 1152x1152 --storage postgresql://user@host/db   # a shared study")
+    what = tune.add_mutually_exclusive_group(required=True)
+    what.add_argument("--shape", type=_shape, metavar="KxN",
+                      help="the Linear's in x out features, e.g. 1152x4608")
+    what.add_argument("--model", choices=["dit-s", "dit-b", "dit-l", "dit-xl"],
+                      help="every training GEMM of this DiT size (15 problems)")
+    tune.add_argument("--m", type=_positive_int, default=2048, help="rows (tokens), default 2048")
+    tune.add_argument("--layout", choices=["NT", "NN", "TN", "all"], default="all",
+                      help="NT forward, NN input grad, TN weight grad (default: all)")
+    tune.add_argument("--threads", type=_positive_int, default=None,
+                      help="GEMM threads (default: every usable CPU)")
+    tune.add_argument("--trials", type=_positive_int, default=40,
+                      help="trials per problem, counting earlier runs of its study (default 40)")
+    tune.add_argument("--timeout", type=float, default=60.0,
+                      help="seconds per problem (default 60); the trial in flight finishes")
+    tune.add_argument("--storage", default=None,
+                      help="Optuna storage URL (default: sqlite in the autohc cache)")
+    tune.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
+    tune.add_argument("--force", action="store_true", help="retune problems already in the registry")
+    tune.add_argument("--json", action="store_true", help="one JSON object per problem")
+
+    exp = sub.add_parser("export", help="write tuned kernels as C + header + manifest.json",
+                         description="Writes the C source of every tuned kernel of this CPU (and "
+                                     "the default ones), one header and manifest.json (problem, "
+                                     "params, cflags, sha256, GFLOP/s, CPU), for a C/C++ build "
+                                     "that calls the kernels without Python.")
+    exp.add_argument("--out", default="generated", help="output folder (default: generated/)")
+    exp.add_argument("--no-defaults", action="store_true", help="only tuned kernels")
+
+    cache = sub.add_parser("cache", help="list, verify or clear compiled kernels",
+                           description="The kernel cache: $AUTOHC_CACHE_DIR, else "
+                                       "$XDG_CACHE_HOME/autohc, else ~/.cache/autohc.")
+    cache.add_argument("action", choices=["list", "verify", "clear"],
+                       help="list entries / check every library against its sha256 / delete "
+                            "compiled kernels (the registry and tuning studies stay)")
+    cache.add_argument("--json", action="store_true", help="JSON output (list, verify)")
 
     bench = sub.add_parser("bench", help="measure autohc against torch and numpy")
     bsub = bench.add_subparsers(dest="what", required=True, metavar="WHAT")
@@ -69,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_info(args) -> int:
     from . import cpu
+    from . import registry
     from .build import cache_dir, cache_entries
     from .peak import fma_peak_gflops
     info = cpu.detect()
@@ -80,6 +148,8 @@ def cmd_info(args) -> int:
         "numa_nodes": [list(n) for n in info.numa_nodes],
         "fma_peak_gflops_per_core": round(fma_peak_gflops(isa), 1),
         "cache_dir": str(cache_dir()), "cached_kernels": len(cache_entries()),
+        "registry": str(registry.registry_path()),
+        "registry_entries": len(registry.entries_for_this_cpu()),
     }
     if args.json:
         print(json.dumps(data))
@@ -87,6 +157,111 @@ def cmd_info(args) -> int:
         for k, v in data.items():
             print(f"{k:>26}: {v}")
     return 0
+
+
+def cmd_tune(args, parser) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from . import cpu
+    from .peak import fma_peak_gflops
+    from .problem import GemmProblem, dit_problems
+    from .tune import StorageError, open_storage, tune_problem
+    if args.timeout <= 0:
+        parser.error("--timeout must be > 0")
+    if args.storage is not None:
+        try:
+            open_storage(args.storage)          # a bad URL: exit 2 before anything is written
+        except StorageError as e:
+            parser.error(str(e))
+    threads = args.threads or cpu.detect().cores
+    if args.model:
+        problems = dit_problems(args.model, max(1, args.m // 256))
+    else:
+        k, n = args.shape
+        layouts = ["NT", "NN", "TN"] if args.layout == "all" else [args.layout]
+        problems = [GemmProblem(f"{k}x{n}", lay, args.m, k, n) for lay in layouts]
+    if args.layout != "all" and args.model:
+        problems = [p for p in problems if p.layout == args.layout]
+    console = Console(stderr=True)
+    results = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[best]}"),
+                  TimeElapsedColumn(), console=console, transient=True) as progress:
+        for p in problems:
+            task = progress.add_task(f"{p.name} {p.layout} M={p.M}", total=args.trials, best="")
+
+            def on_trial(study, trial, task=task):
+                try:
+                    best = f"best {study.best_value:.1f} GFLOP/s"
+                except ValueError:
+                    best = ""
+                progress.update(task, completed=len(study.trials), best=best)
+            r = tune_problem(p, threads, trials=args.trials, timeout=args.timeout,
+                             storage=args.storage, seed=args.seed, force=args.force,
+                             progress=on_trial)
+            progress.update(task, completed=args.trials)
+            results.append(r)
+            if args.json:
+                print(json.dumps(r.to_json()), flush=True)
+    if args.json:
+        return 0
+    peak = fma_peak_gflops(cpu.best_isa()) * threads
+    t = Table(title=f"tuned GEMMs, {threads} thread(s), {cpu.best_isa()}")
+    for col in ("GEMM", "layout", "M", "K", "N", "MRxNR", "KC/MC/NC", "geometry", "depth",
+                "GFLOP/s", "% peak", "torch", "x torch", "trials", "source"):
+        t.add_column(col, justify="left" if col in ("GEMM", "layout", "source") else "right")
+    for r in results:
+        q, p = r.params, r.problem
+        t.add_row(p.name, p.layout, str(p.M), str(p.K), str(p.N), f"{q.mr}x{q.nr}",
+                  f"{q.kc}/{q.mc}/{q.nc}", f"{q.clusters}x{q.tm}x{q.tn}", str(q.depth),
+                  f"{r.gflops:.1f}", f"{100 * r.gflops / peak:.0f}%", f"{r.torch_gflops:.1f}",
+                  f"{r.speedup_vs_torch:.2f}", str(r.trials),
+                  "registry" if r.from_registry else "tuned")
+    Console(width=max(Console().width, 150)).print(t)
+    return 0
+
+
+def cmd_export(args) -> int:
+    from .export import export
+    m = export(args.out, include_defaults=not args.no_defaults)
+    print(f"autohc: exported {len(m['kernels'])} kernel(s) to {args.out}/ "
+          f"(autohc_kernels.h, manifest.json, kernels/)")
+    return 0
+
+
+def cmd_cache(args) -> int:
+    import hashlib
+    import shutil
+
+    from .build import cache_dir, cache_entries
+    entries = cache_entries()
+    if args.action == "clear":
+        shutil.rmtree(cache_dir() / "kernels", ignore_errors=True)
+        print(f"autohc: removed {len(entries)} compiled kernel(s) from {cache_dir()}")
+        return 0
+    bad = 0
+    rows = []
+    for e in entries:
+        row = {"entry": e["entry"], "op": e.get("op"), "file": e.get("file"),
+               "built_at": e.get("built_at")}
+        if args.action == "verify":
+            try:
+                lib = Path(e["entry"]) / e["file"]
+                row["ok"] = hashlib.sha256(lib.read_bytes()).hexdigest() == e["sha256"]
+            except (KeyError, OSError, TypeError):
+                row["ok"] = False
+            bad += not row["ok"]
+        rows.append(row)
+    if args.json:
+        print(json.dumps({"cache_dir": str(cache_dir()), "entries": rows, "bad": bad}))
+    else:
+        for r in rows:
+            status = "" if args.action == "list" else ("ok   " if r["ok"] else "BAD  ")
+            print(f"{status}{r['op'] or '?':6} {r['entry']}")
+        print(f"{len(rows)} kernel(s) in {cache_dir()}" +
+              (f", {bad} failed verification (they will be rebuilt, never loaded)" if bad else ""))
+    return 1 if bad else 0
 
 
 def cmd_bench_gemm(args) -> int:
@@ -145,7 +320,8 @@ def markdown_table(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command == "bench" and not getattr(args, "contended", True):
         missing = {k: v for k, v in PASSIVE_ENV.items() if os.environ.get(k) != v}
         if missing and argv is None:    # the thread libraries read these at load: re-exec
@@ -157,6 +333,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "info":
             return cmd_info(args)
+        if args.command == "tune":
+            return cmd_tune(args, parser)
+        if args.command == "export":
+            return cmd_export(args)
+        if args.command == "cache":
+            return cmd_cache(args)
         if args.command == "bench" and args.what == "gemm":
             return cmd_bench_gemm(args)
     except KeyboardInterrupt:

@@ -80,6 +80,18 @@ def default_kernel_params(threads: int, isa: str | None = None) -> GemmParams:
     return default_params(isa or cpu.best_isa(), threads)
 
 
+def tuned_params(m: int, k: int, n: int, sa, sb, threads: int) -> GemmParams:
+    """The registry's configuration for this problem on this CPU, else the default one."""
+    from . import registry
+    layout = registry.layout_of(sa[0], sa[1], sb[0], sb[1])
+    if layout is not None and registry.registry_path().exists():
+        M, K, N = registry.linear_dims(layout, m, k, n)
+        hit = registry.lookup("gemm", layout, K, N, M, threads)
+        if hit is not None:
+            return hit[0]
+    return default_kernel_params(threads)
+
+
 # ----------------------------------------------------------------------------- operands
 
 class _Operand:
@@ -189,7 +201,9 @@ def matmul(a, b, *, out=None, alpha=1.0, beta=0.0, threads=None, params: GemmPar
     if B.overlaps(C):
         B = _operand(_copy(b, kind), "b", kind)
 
-    kernel = get_kernel(params if params is not None else default_kernel_params(threads))
+    if params is None:
+        params = tuned_params(M, K, N, A.strides, B.strides, threads)
+    kernel = get_kernel(params)
     if C.strides[1] == 1 or N == 1:
         kernel.run(M, N, K, alpha, A.ptr, A.strides[0], A.strides[1], B.ptr, B.strides[0],
                    B.strides[1], beta, C.ptr, C.strides[0] if M > 1 else max(N, 1))

@@ -54,3 +54,38 @@ def test_bench_gemm_json_small():
             assert row[key] > 0
         assert row["speedup_vs_torch"] == pytest.approx(row["gflops"] / row["torch_gflops"], rel=0.02)
     assert res["geomean_speedup_vs_torch"] > 0 and res["geomean_speedup_vs_numpy"] > 0
+
+
+@pytest.mark.parametrize("bad", [
+    ["--shape", "12x"], ["--shape", "0x5"], ["--shape", "axb"], ["--shape=-3x4"],
+    ["--shape", "64x48", "--layout", "XY"], ["--shape", "64x48", "--storage", "nosuch://x"],
+    ["--shape", "64x48", "--storage", "sqlite:////nonexistent/dir/t.db"],
+    ["--shape", "64x48", "--timeout", "-1"], [],
+])
+def test_tune_bad_input_exits_2_and_writes_nothing(bad, tmp_path):
+    cache = tmp_path / "cache"
+    r = subprocess.run([sys.executable, "-m", "autohc.cli", "tune", *bad], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "AUTOHC_CACHE_DIR": str(cache)})
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not cache.exists()
+
+
+def test_tune_json_then_registry(tmp_path):
+    env = {**os.environ, "AUTOHC_CACHE_DIR": str(tmp_path)}
+    args = [sys.executable, "-m", "autohc.cli", "tune", "--shape", "64x48", "--m", "64",
+            "--layout", "NT", "--threads", "1", "--trials", "2", "--json"]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    for key in ("params", "gflops", "torch_gflops", "speedup_vs_torch"):
+        assert key in res
+    assert res["from_registry"] is False and res["params"]["mr"] >= 1
+    r2 = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+    assert json.loads(r2.stdout.strip().splitlines()[-1])["from_registry"] is True
+    r3 = subprocess.run([sys.executable, "-m", "autohc.cli", "export", "--out", str(tmp_path / "g")],
+                        capture_output=True, text=True, timeout=300, env=env)
+    assert r3.returncode == 0 and (tmp_path / "g" / "manifest.json").exists()
+    r4 = subprocess.run([sys.executable, "-m", "autohc.cli", "cache", "verify", "--json"],
+                        capture_output=True, text=True, timeout=300, env=env)
+    assert r4.returncode == 0 and json.loads(r4.stdout)["bad"] == 0

@@ -54,7 +54,7 @@ class GemmParams:
     nr: int = 16                    # register tile columns (multiple of vl)
     kc: int = 256                   # K per packed panel (B micro-panel stays in L1)
     mc: int = 144                   # M per packed A block (A block stays in L2)
-    nc: int = 4080                  # N per packed B panel (stays in L2/L3)
+    nc: int = 4096                  # N per packed B panel (stays in L2/L3)
     k_unroll: int = 4
     clusters: int = 1               # thread clusters splitting N (CFTP)
     tm: int = 1                     # thread rows per cluster (split M)
@@ -137,8 +137,8 @@ def default_params(isa: str, threads: int = 1) -> GemmParams:
     if type(threads) is not int or not 1 <= threads <= MAX_THREADS:
         raise ParamError(f"threads={threads!r}: must be an int in [1, {MAX_THREADS}]")
     base = {
-        "avx2": dict(vl=8, mr=6, nr=16, kc=256, mc=144, nc=4080, k_unroll=4),
+        "avx2": dict(vl=8, mr=6, nr=16, kc=256, mc=144, nc=4096, k_unroll=4),
         "avx512": dict(vl=16, mr=12, nr=32, kc=256, mc=144, nc=4096, k_unroll=4),
-        "portable": dict(vl=4, mr=6, nr=8, kc=256, mc=144, nc=4088, k_unroll=4),
+        "portable": dict(vl=4, mr=6, nr=8, kc=256, mc=144, nc=4096, k_unroll=4),
     }[isa]
     return GemmParams(isa=isa, clusters=threads, **base).validate()

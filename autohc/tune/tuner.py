@@ -1,0 +1,192 @@
+"""Tune one GEMM problem with Optuna: params -> render -> build -> verify -> time -> registry.
+
+One study per (op, layout, M, K, N, threads, ISA, CPU fingerprint), in Optuna RDB storage
+(SQLite in the cache by default, any URL Optuna accepts), so an interrupted tune resumes and
+several nodes can share a study. The default configuration is the first trial, so tuning
+never ends worse than the default. A candidate that fails to build, crashes or computes a
+wrong result is a failed trial and can never be recorded as best.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import optuna
+import torch
+
+from .. import cpu, registry
+from ..bench import bench_problem
+from ..build import BuildError, cache_dir
+from ..codegen import GemmParams, ParamError, default_params
+from ..gemm import KernelError, get_kernel, matmul
+from ..problem import GemmProblem
+from .space import as_suggestions, suggest_params
+
+U32 = 2.0 ** -24
+
+
+class WrongResult(RuntimeError):
+    """A candidate kernel computed a wrong result: it must never win."""
+
+
+class StorageError(ValueError):
+    """The --storage URL cannot be opened."""
+
+
+def default_storage_url() -> str:
+    return f"sqlite:///{cache_dir() / 'tune.db'}"
+
+
+def open_storage(url: str | None = None) -> optuna.storages.RDBStorage:
+    if url is None:
+        url = default_storage_url()
+        cache_dir().mkdir(parents=True, exist_ok=True)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    try:
+        # heartbeats let a resumed (or another node's) tune fail trials of a killed process
+        return optuna.storages.RDBStorage(url, heartbeat_interval=2, grace_period=6)
+    except Exception as e:  # noqa: BLE001 - sqlalchemy raises many kinds
+        raise StorageError(f"cannot open tuning storage {url!r}: {str(e).splitlines()[0]}") from None
+
+
+def study_name(p: GemmProblem, threads: int, isa: str) -> str:
+    return (f"gemm-{p.layout}-M{p.M}-K{p.K}-N{p.N}-t{threads}-{isa}-"
+            f"{cpu.detect().fingerprint}")
+
+
+@dataclass
+class TuneResult:
+    problem: GemmProblem
+    threads: int
+    params: GemmParams
+    gflops: float
+    torch_gflops: float
+    trials: int = 0
+    from_registry: bool = False
+    study: str = ""
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def speedup_vs_torch(self) -> float:
+        return self.gflops / self.torch_gflops if self.torch_gflops else float("nan")
+
+    def to_json(self) -> dict:
+        p = self.problem
+        return {"problem": {"op": "gemm", "name": p.name, "layout": p.layout, "M": p.M, "K": p.K,
+                            "N": p.N}, "threads": self.threads, "params": self.params.to_dict(),
+                "gflops": round(self.gflops, 2), "torch_gflops": round(self.torch_gflops, 2),
+                "speedup_vs_torch": round(self.speedup_vs_torch, 3), "trials": self.trials,
+                "from_registry": self.from_registry, "study": self.study,
+                "seconds": round(self.seconds, 2)}
+
+
+class Verifier:
+    """Correctness gate: the problem's own operands (fp32 torch reference, error bound scaled
+    to K) plus ragged shapes in the same layout (float64 reference)."""
+
+    def __init__(self, problem: GemmProblem, seed: int = 0):
+        self.problem = problem
+        self.a, self.b = problem.operands(seed)
+        self.ref = torch.matmul(self.a, self.b)
+        k = self.a.shape[1]
+        # |fp32 - exact| of both autohc and torch's result, each <= gamma_k |A||B|
+        self.bound = 4.0 * (k + 4) * U32 * torch.matmul(self.a.abs(), self.b.abs()) + 1e-30
+        self.out = torch.empty_like(self.ref)
+        self.rng = random.Random(seed)
+
+    def check(self, params: GemmParams) -> None:
+        matmul(self.a, self.b, out=self.out, params=params)
+        bad = ~((self.out - self.ref).abs() <= self.bound)
+        if bad.any():
+            raise WrongResult(f"{int(bad.sum())} wrong elements on the problem's own shape")
+        for _ in range(6):
+            m, k, n = (self.rng.choice([1, 2, 3, 7, 13, params.mr + 1, params.nr + 1,
+                                        params.kc + 1, 61]) for _ in range(3))
+            a, b = GemmProblem("ragged", self.problem.layout, *_linear(self.problem.layout, m, k, n)).operands()
+            out = matmul(a, b, params=params)
+            ref = a.double() @ b.double()
+            bound = 2.0 * (a.shape[1] + 4) * U32 * (a.double().abs() @ b.double().abs()) + 1e-30
+            if not ((out.double() - ref).abs() <= bound).all():
+                raise WrongResult(f"wrong result on ragged shape m={m} k={k} n={n}")
+
+
+def _linear(layout: str, m: int, k: int, n: int) -> tuple[int, int, int]:
+    """(M, K, N) of the Linear whose `layout` GEMM is m x k x n."""
+    return registry.linear_dims(layout, m, k, n)
+
+
+def measure(problem: GemmProblem, params: GemmParams, threads: int, repeats: int = 5) -> tuple[float, float]:
+    """(autohc GFLOP/s, torch GFLOP/s), timed interleaved, medians."""
+    row = bench_problem(problem, threads, repeats=repeats, params=params, with_numpy=False)
+    return row.gflops, row.torch_gflops
+
+
+def tune_problem(problem: GemmProblem, threads: int = 1, *, trials: int | None = 40,
+                 timeout: float | None = 60.0, storage: str | None = None, seed: int = 0,
+                 force: bool = False, isa: str | None = None, progress=None) -> TuneResult:
+    """Tune (or answer from the registry) one problem. `trials` is the study's total."""
+    t0 = time.perf_counter()
+    isa = isa or cpu.best_isa()
+    if not force:
+        hit = registry.lookup("gemm", problem.layout, problem.K, problem.N, problem.M, threads, exact=True)
+        if hit and hit[1].get("M") == problem.M and hit[0].isa == isa:
+            params, entry = hit
+            return TuneResult(problem, threads, params, entry["gflops"], entry["torch_gflops"],
+                              entry.get("trials", 0), True, entry.get("study", ""),
+                              time.perf_counter() - t0)
+    optuna.logging.set_verbosity(logging.WARNING)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    store = open_storage(storage)
+    name = study_name(problem, threads, isa)
+    study = optuna.create_study(study_name=name, storage=store, direction="maximize",
+                                sampler=optuna.samplers.TPESampler(seed=seed, n_startup_trials=8),
+                                load_if_exists=True)
+    if not study.trials:
+        study.enqueue_trial(as_suggestions(default_params(isa, threads), isa))
+    verifier = Verifier(problem, seed)
+
+    def objective(trial: optuna.Trial) -> float:
+        try:
+            params = suggest_params(trial, isa, threads)
+        except ParamError as e:
+            raise optuna.TrialPruned(str(e)) from None
+        trial.set_user_attr("params", params.to_dict())
+        get_kernel(params)                          # BuildError / KernelError: failed trial
+        verifier.check(params)                      # WrongResult: failed trial
+        gflops, torch_gflops = measure(problem, params, threads)
+        trial.set_user_attr("torch_gflops", torch_gflops)
+        return gflops
+
+    def callback(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        if progress:
+            progress(study, trial)
+
+    finished = [t for t in study.trials if t.state.is_finished()]
+    remaining = None if trials is None else max(0, trials - len(finished))
+    if remaining != 0:
+        study.optimize(objective, n_trials=remaining, timeout=timeout, callbacks=[callback],
+                       catch=(BuildError, KernelError, WrongResult, RuntimeError))
+    complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    if not complete:
+        raise RuntimeError(f"tuning {name}: no trial completed (see the study in {store.url})")
+    best = max(complete, key=lambda t: t.value)
+    params = GemmParams.from_dict(best.user_attrs["params"])
+    result = TuneResult(problem, threads, params, best.value, best.user_attrs["torch_gflops"],
+                        len(study.trials), False, name, time.perf_counter() - t0)
+    registry.record("gemm", problem.layout, problem.K, problem.N, problem.M, threads, params,
+                    result.gflops, result.torch_gflops, trials=len(study.trials), study=name,
+                    storage=_redact(store.url))
+    return result
+
+
+def _redact(url: str) -> str:
+    """A storage URL without its password, for the registry."""
+    try:
+        from sqlalchemy.engine import make_url
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001
+        return url.split("@")[-1]

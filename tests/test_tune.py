@@ -1,0 +1,211 @@
+"""The tuner: search space, registry, resume after kill -9, correctness gate, export."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+
+import numpy as np
+import optuna
+import pytest
+import torch
+
+import autohc
+from autohc import cpu, registry
+from autohc.codegen import GemmParams, default_params
+from autohc.problem import GemmProblem
+from autohc.tune import space as space_mod
+from autohc.tune import tuner
+
+ISA = cpu.best_isa()
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOHC_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("AUTOHC_REGISTRY", raising=False)
+    return tmp_path
+
+
+def test_space_covers_the_default_and_yaml_drives_it():
+    for isa in ("avx2", "avx512", "portable"):
+        for threads in (1, 2, 4):
+            d = default_params(isa, threads)
+            trial = optuna.trial.FixedTrial(space_mod.as_suggestions(d, isa))
+            assert space_mod.suggest_params(trial, isa, threads) == d
+    assert space_mod.geometries(2) == ["1x1x2", "1x2x1", "2x1x1"]
+    assert all(eval(g.replace("x", "*")) == 6 for g in space_mod.geometries(6))
+
+
+def test_multiple_of_rounds_dependent_parameters():
+    vals = space_mod.as_suggestions(default_params("avx2"), "avx2") | {"tile": "5x16", "mc": 48,
+                                                                       "nc": 1024}
+    p = space_mod.suggest_params(optuna.trial.FixedTrial(vals), "avx2", 1)
+    assert (p.mr, p.nr, p.mc, p.nc) == (5, 16, 50, 1024)
+
+
+def test_m_bucket_and_nearest_lookup(fresh_cache):
+    assert registry.m_bucket(2048) == 2048 and registry.m_bucket(1400) == 1024
+    assert registry.m_bucket(1) == 1 and registry.m_bucket(3000) == 4096
+    p = default_params(ISA, 1)
+    registry.record("gemm", "NT", 64, 96, 512, 1, p, 10.0, 5.0)
+    hit = registry.lookup("gemm", "NT", 64, 96, 2048, 1)
+    assert hit is not None and hit[0] == p                  # nearest bucket
+    assert registry.lookup("gemm", "NT", 64, 96, 2048, 1, exact=True) is None
+    assert registry.lookup("gemm", "NN", 64, 96, 512, 1) is None
+    assert registry.lookup("gemm", "NT", 64, 96, 512, 2) is None
+
+
+def test_corrupt_registry_is_ignored_then_replaced(fresh_cache):
+    path = registry.registry_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("{ definitely not json")
+    with pytest.warns(RuntimeWarning, match="corrupt registry"):
+        assert registry.lookup("gemm", "NT", 64, 96, 512, 1) is None
+    # matmul still works (default kernel), with the same result
+    a, b = torch.randn(20, 30), torch.randn(30, 10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert torch.allclose(autohc.matmul(a, b), a @ b, atol=1e-4)
+    with pytest.warns(RuntimeWarning, match="saved as"):
+        registry.record("gemm", "NT", 64, 96, 512, 1, default_params(ISA, 1), 10.0, 5.0)
+    assert list(path.parent.glob("registry.json.corrupt-*"))    # the old bytes are kept
+    assert json.loads(path.read_text())["version"] == registry.VERSION
+
+
+def test_foreign_and_invalid_entries_are_ignored(fresh_cache):
+    p = default_params(ISA, 1)
+    registry.record("gemm", "NT", 64, 96, 512, 1, p, 10.0, 5.0)
+    data = json.loads(registry.registry_path().read_text())
+    fp = cpu.detect().fingerprint
+    (key, entry), = data["entries"][fp].items()
+    entry["fingerprint"] = "someothercpu0000"           # copied from another machine
+    data["entries"][fp][key.replace("K64", "K65")] = dict(entry, fingerprint=fp, params={"mr": 99})
+    data["entries"][fp][key] = entry
+    registry.registry_path().write_text(json.dumps(data))
+    with pytest.warns(RuntimeWarning, match="ignored"):
+        assert registry.lookup("gemm", "NT", 64, 96, 512, 1) is None
+    with pytest.warns(RuntimeWarning, match="invalid registry entry"):
+        assert registry.lookup("gemm", "NT", 65, 96, 512, 1) is None
+
+
+def test_tune_records_best_and_second_call_is_instant(fresh_cache):
+    prob = GemmProblem("t", "NT", 96, 64, 80)
+    r = tuner.tune_problem(prob, 1, trials=3, timeout=120)
+    assert not r.from_registry and r.trials == 3 and r.gflops > 0 and r.torch_gflops > 0
+    t0 = time.perf_counter()
+    r2 = tuner.tune_problem(prob, 1, trials=3, timeout=120)
+    assert r2.from_registry and time.perf_counter() - t0 < 2.0
+    assert r2.params == r.params
+    # autohc.matmul now runs the tuned configuration for this problem
+    x, w = prob.operands()
+    assert autohc.gemm.tuned_params(96, 64, 80, x.stride(), w.stride(), 1) == r.params
+
+
+def test_wrong_kernel_can_never_win(fresh_cache, monkeypatch):
+    """Candidates other than the default compute garbage but claim a huge speed: every one
+    of them must fail the correctness gate, and the default must be what is recorded."""
+    default = default_params(ISA, 1)
+    real_matmul = tuner.matmul
+
+    def buggy_matmul(a, b, *, out=None, params=None, **kw):
+        res = real_matmul(a, b, out=out, params=params, **kw)
+        if params != default:
+            res[0, 0] += 1.0                              # a wrong element
+        return res
+    monkeypatch.setattr(tuner, "matmul", buggy_matmul)
+    monkeypatch.setattr(tuner, "measure",
+                        lambda p, params, t: (1e9 if params != default else 1.0, 1.0))
+    r = tuner.tune_problem(GemmProblem("w", "NT", 64, 48, 40), 1, trials=5, timeout=300)
+    assert r.params == default and r.gflops == 1.0
+    study = optuna.load_study(study_name=r.study, storage=tuner.open_storage())
+    states = [t.state for t in study.trials]
+    assert states[0] == optuna.trial.TrialState.COMPLETE
+    assert all(s != optuna.trial.TrialState.COMPLETE for s in states[1:])
+    assert registry.lookup("gemm", "NT", 48, 40, 64, 1)[0] == default
+
+
+RUN_TUNE = textwrap.dedent("""
+    from autohc.problem import GemmProblem
+    from autohc.tune import tuner
+    r = tuner.tune_problem(GemmProblem("k", "NT", 128, 96, 112), 1, trials=int(__import__("sys").argv[1]),
+                           timeout=600)
+    print(r.trials)
+""")
+
+
+def test_resume_after_kill_9(fresh_cache):
+    env = {**os.environ, "AUTOHC_CACHE_DIR": str(fresh_cache)}
+    proc = subprocess.Popen([sys.executable, "-c", RUN_TUNE, "200"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    storage = None
+    name = tuner.study_name(GemmProblem("k", "NT", 128, 96, 112), 1, ISA)
+    done_before = 0
+    deadline = time.time() + 240
+    try:
+        while time.time() < deadline:
+            time.sleep(1.0)
+            try:
+                storage = storage or tuner.open_storage()
+                study = optuna.load_study(study_name=name, storage=storage)
+                done_before = sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
+            except KeyError:
+                continue
+            if done_before >= 3:
+                break
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert done_before >= 3, "the tune made no progress before the kill"
+    study = optuna.load_study(study_name=name, storage=storage)
+    kept = [t.number for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(kept) >= done_before
+    total = len(study.trials) + 2
+    out = subprocess.run([sys.executable, "-c", RUN_TUNE, str(total)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    study = optuna.load_study(study_name=name, storage=storage)
+    after = [t.number for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert set(kept) <= set(after) and len(after) >= len(kept) + 1   # resumed, nothing lost
+    assert registry.lookup("gemm", "NT", 96, 112, 128, 1) is not None
+
+
+def test_export_compiles_and_runs_without_python(fresh_cache, tmp_path):
+    from autohc.export import export
+    p = default_params(ISA, 2)
+    registry.record("gemm", "NT", 40, 24, 33, 2, p, 10.0, 5.0)
+    out = tmp_path / "exp"
+    manifest = export(out)
+    k = next(k for k in manifest["kernels"] if k.get("registry_key"))
+    assert k["symbol"] == p.symbol
+    src = (out / k["source"]).read_text()
+    import hashlib
+    assert hashlib.sha256(src.encode()).hexdigest() == k["sha256"]
+    main = tmp_path / "main.c"
+    main.write_text(textwrap.dedent(f"""
+        #include <stdio.h>
+        #include "autohc_kernels.h"
+        int main(void) {{
+            enum {{ M = 33, K = 40, N = 24 }};
+            static float x[M * K], w[N * K], y[M * N];
+            for (int i = 0; i < M * K; ++i) x[i] = (float)((i * 7) % 13) - 6.0f;
+            for (int i = 0; i < N * K; ++i) w[i] = (float)((i * 5) % 11) - 5.0f;
+            /* Y = X W^T: op(B)(k, j) = W[j*K + k] -> rsb = 1, csb = K */
+            if ({p.symbol}_gemm(M, N, K, 1.0f, x, K, 1, w, 1, K, 0.0f, y, N)) return 2;
+            for (int i = 0; i < M * N; ++i) printf("%.1f\\n", y[i]);
+            return 0;
+        }}"""))
+    exe = tmp_path / "prog"
+    cmd = ["gcc", *k["cflags"], f"-I{out}", str(main), str(out / k["source"]), "-o", str(exe),
+           *k["ldflags"]]
+    subprocess.run(cmd, check=True, capture_output=True)
+    if ISA not in cpu.runnable_isas():
+        pytest.skip("compiled; this CPU cannot run it")
+    got = np.array(subprocess.run([str(exe)], check=True, capture_output=True, text=True)
+                   .stdout.split(), dtype=np.float64).reshape(33, 24)
+    x = (np.arange(33 * 40) * 7 % 13 - 6.0).reshape(33, 40)
+    w = (np.arange(24 * 40) * 5 % 11 - 5.0).reshape(24, 40)
+    assert np.array_equal(got, x @ w.T)                # small integers: exact in fp32
