@@ -2,11 +2,22 @@
 
     import autohc
     y = autohc.matmul(x, w.T)          # fp32 GEMM on a generated kernel (torch or numpy)
+
+torch-facing names load on first use, so `autohc tune` answers from the registry without
+importing torch.
 """
 from .build import BuildError, CompilerNotFoundError
 from .codegen import GemmParams, ParamError, default_params
-from .gemm import GemmKernel, KernelError, get_kernel, matmul
 
 __version__ = "0.1.0"
 __all__ = ["matmul", "GemmParams", "GemmKernel", "get_kernel", "default_params",
            "ParamError", "BuildError", "CompilerNotFoundError", "KernelError", "__version__"]
+
+_LAZY = {"matmul", "GemmKernel", "KernelError", "get_kernel"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        from . import gemm
+        return getattr(gemm, name)
+    raise AttributeError(f"module 'autohc' has no attribute {name!r}")

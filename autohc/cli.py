@@ -20,6 +20,7 @@ EPILOG = """examples:
   autohc tune --shape 1152x4608 --layout NT --threads 1
   autohc tune --model dit-xl --threads 2 --timeout 30
   autohc export --out generated/
+  autohc report --out report/
   autohc info
   autohc bench gemm --model dit-xl --threads 1 2
   autohc bench gemm --model dit-s --threads 2 --json > gemm.json
@@ -100,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--out", default="generated", help="output folder (default: generated/)")
     exp.add_argument("--no-defaults", action="store_true", help="only tuned kernels")
 
+    rep = sub.add_parser("report", help="PNG plots: tuning convergence, roofline of tuned kernels")
+    rep.add_argument("--out", default="report", help="output folder (default: report/)")
+    rep.add_argument("--storage", default=None, help="Optuna storage URL of the studies "
+                                                     "(default: sqlite in the autohc cache)")
+
     cache = sub.add_parser("cache", help="list, verify or clear compiled kernels",
                            description="The kernel cache: $AUTOHC_CACHE_DIR, else "
                                        "$XDG_CACHE_HOME/autohc, else ~/.cache/autohc.")
@@ -164,13 +170,14 @@ def cmd_tune(args, parser) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from . import cpu
+    from . import cpu, registry
     from .peak import fma_peak_gflops
     from .problem import GemmProblem, dit_problems
-    from .tune import StorageError, open_storage, tune_problem
+    from .tune.result import TuneResult
     if args.timeout <= 0:
         parser.error("--timeout must be > 0")
     if args.storage is not None:
+        from .tune import StorageError, open_storage
         try:
             open_storage(args.storage)          # a bad URL: exit 2 before anything is written
         except StorageError as e:
@@ -189,6 +196,15 @@ def cmd_tune(args, parser) -> int:
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[best]}"),
                   TimeElapsedColumn(), console=console, transient=True) as progress:
         for p in problems:
+            hit = None if args.force else registry.lookup("gemm", p.layout, p.K, p.N, p.M, threads,
+                                                          exact=True)
+            if hit and hit[1].get("M") == p.M and hit[0].isa == cpu.best_isa():
+                r = TuneResult.from_registry(p, threads, *hit)      # no torch, no optuna
+                results.append(r)
+                if args.json:
+                    print(json.dumps(r.to_json()), flush=True)
+                continue
+            from .tune import tune_problem
             task = progress.add_task(f"{p.name} {p.layout} M={p.M}", total=args.trials, best="")
 
             def on_trial(study, trial, task=task):
@@ -227,6 +243,17 @@ def cmd_export(args) -> int:
     m = export(args.out, include_defaults=not args.no_defaults)
     print(f"autohc: exported {len(m['kernels'])} kernel(s) to {args.out}/ "
           f"(autohc_kernels.h, manifest.json, kernels/)")
+    return 0
+
+
+def cmd_report(args, parser) -> int:
+    from .report import report
+    from .tune import StorageError
+    try:
+        paths = report(args.out, args.storage)
+    except StorageError as e:
+        parser.error(str(e))
+    print(f"autohc: wrote {len(paths)} plot(s) to {args.out}/")
     return 0
 
 
@@ -339,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_export(args)
         if args.command == "cache":
             return cmd_cache(args)
+        if args.command == "report":
+            return cmd_report(args, parser)
         if args.command == "bench" and args.what == "gemm":
             return cmd_bench_gemm(args)
     except KeyboardInterrupt:

@@ -24,3 +24,19 @@ def fma_peak_gflops(isa: str, seconds: float = 0.2) -> float:
     rate = lib.autohc_peak_gflops(iters)
     iters = max(1000, int(seconds / 5 * rate * 1e9 / (2 * vl * 12)))
     return max(lib.autohc_peak_gflops(iters) for _ in range(5))
+
+
+@functools.lru_cache(maxsize=None)
+def memory_bandwidth_gbps(mbytes: int = 256) -> float:
+    """Copy bandwidth of one thread through memory (bytes read + written / s), best of 5."""
+    import time
+
+    import numpy as np
+    src = np.ones(mbytes * (1 << 20) // 4, np.float32)
+    dst = np.empty_like(src)
+    best = 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = max(best, 2 * src.nbytes / (time.perf_counter() - t0) / 1e9)
+    return best

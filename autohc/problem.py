@@ -4,8 +4,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-import torch
-
 LAYOUTS = ("NT", "NN", "TN")
 
 # DiT sizes (facebookresearch/DiT): hidden size; tokens per image at 256 px with patch 2
@@ -47,6 +45,7 @@ class GemmProblem:
 
     def operands(self, seed: int = 0):
         """(a, b) float32 torch views for the GEMM of this layout (transposes as strides)."""
+        import torch
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(self.M, self.K, generator=g)
         w = torch.randn(self.N, self.K, generator=g) * 0.03

@@ -209,3 +209,13 @@ def test_export_compiles_and_runs_without_python(fresh_cache, tmp_path):
     x = (np.arange(33 * 40) * 7 % 13 - 6.0).reshape(33, 40)
     w = (np.arange(24 * 40) * 5 % 11 - 5.0).reshape(24, 40)
     assert np.array_equal(got, x @ w.T)                # small integers: exact in fp32
+
+
+def test_report_writes_pngs(fresh_cache, tmp_path):
+    from autohc.report import report
+    tuner.tune_problem(GemmProblem("r", "NN", 64, 32, 48), 1, trials=2, timeout=120)
+    paths = report(tmp_path / "rep")
+    names = sorted(p.name for p in paths)
+    assert "roofline.png" in names and any(n.startswith("convergence-gemm-NN") for n in names)
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000

@@ -12,9 +12,7 @@ import logging
 import random
 import time
 import warnings
-from dataclasses import dataclass, field
 
-import optuna
 import torch
 
 from .. import cpu, registry
@@ -23,6 +21,7 @@ from ..build import BuildError, cache_dir
 from ..codegen import GemmParams, ParamError, default_params
 from ..gemm import KernelError, get_kernel, matmul
 from ..problem import GemmProblem
+from .result import TuneResult
 from .space import as_suggestions, suggest_params
 
 U32 = 2.0 ** -24
@@ -40,7 +39,9 @@ def default_storage_url() -> str:
     return f"sqlite:///{cache_dir() / 'tune.db'}"
 
 
-def open_storage(url: str | None = None) -> optuna.storages.RDBStorage:
+def open_storage(url: str | None = None):
+    """Optuna RDBStorage for `url` (default: SQLite in the cache); StorageError if unusable."""
+    import optuna
     if url is None:
         url = default_storage_url()
         cache_dir().mkdir(parents=True, exist_ok=True)
@@ -55,33 +56,6 @@ def open_storage(url: str | None = None) -> optuna.storages.RDBStorage:
 def study_name(p: GemmProblem, threads: int, isa: str) -> str:
     return (f"gemm-{p.layout}-M{p.M}-K{p.K}-N{p.N}-t{threads}-{isa}-"
             f"{cpu.detect().fingerprint}")
-
-
-@dataclass
-class TuneResult:
-    problem: GemmProblem
-    threads: int
-    params: GemmParams
-    gflops: float
-    torch_gflops: float
-    trials: int = 0
-    from_registry: bool = False
-    study: str = ""
-    seconds: float = 0.0
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def speedup_vs_torch(self) -> float:
-        return self.gflops / self.torch_gflops if self.torch_gflops else float("nan")
-
-    def to_json(self) -> dict:
-        p = self.problem
-        return {"problem": {"op": "gemm", "name": p.name, "layout": p.layout, "M": p.M, "K": p.K,
-                            "N": p.N}, "threads": self.threads, "params": self.params.to_dict(),
-                "gflops": round(self.gflops, 2), "torch_gflops": round(self.torch_gflops, 2),
-                "speedup_vs_torch": round(self.speedup_vs_torch, 3), "trials": self.trials,
-                "from_registry": self.from_registry, "study": self.study,
-                "seconds": round(self.seconds, 2)}
 
 
 class Verifier:
@@ -129,15 +103,13 @@ def tune_problem(problem: GemmProblem, threads: int = 1, *, trials: int | None =
                  timeout: float | None = 60.0, storage: str | None = None, seed: int = 0,
                  force: bool = False, isa: str | None = None, progress=None) -> TuneResult:
     """Tune (or answer from the registry) one problem. `trials` is the study's total."""
+    import optuna                       # imported only when a problem is really tuned
     t0 = time.perf_counter()
     isa = isa or cpu.best_isa()
     if not force:
         hit = registry.lookup("gemm", problem.layout, problem.K, problem.N, problem.M, threads, exact=True)
         if hit and hit[1].get("M") == problem.M and hit[0].isa == isa:
-            params, entry = hit
-            return TuneResult(problem, threads, params, entry["gflops"], entry["torch_gflops"],
-                              entry.get("trials", 0), True, entry.get("study", ""),
-                              time.perf_counter() - t0)
+            return TuneResult.from_registry(problem, threads, *hit, time.perf_counter() - t0)
     optuna.logging.set_verbosity(logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     store = open_storage(storage)
@@ -149,7 +121,7 @@ def tune_problem(problem: GemmProblem, threads: int = 1, *, trials: int | None =
         study.enqueue_trial(as_suggestions(default_params(isa, threads), isa))
     verifier = Verifier(problem, seed)
 
-    def objective(trial: optuna.Trial) -> float:
+    def objective(trial) -> float:
         try:
             params = suggest_params(trial, isa, threads)
         except ParamError as e:
@@ -161,7 +133,7 @@ def tune_problem(problem: GemmProblem, threads: int = 1, *, trials: int | None =
         trial.set_user_attr("torch_gflops", torch_gflops)
         return gflops
 
-    def callback(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+    def callback(study, trial) -> None:
         if progress:
             progress(study, trial)
 
