@@ -56,7 +56,7 @@ def roofline(out: Path) -> Path:
     bw = memory_bandwidth_gbps()
     fig, ax = plt.subplots(figsize=(7, 5))
     threads_seen = sorted({e["threads"] for e in entries.values()}) or [1]
-    xs = [0.05, 2000.0]
+    xs = [10 ** (e / 20) for e in range(-30, 71)]     # 0.03 .. 3000 FLOP/byte, ridge included
     for t in threads_seen:
         ax.plot(xs, [min(peak1 * t, bw * x) for x in xs], ls="-", lw=1,
                 label=f"roof: {peak1 * t:.0f} GFLOP/s ({t} thr), {bw:.0f} GB/s")
