@@ -10,14 +10,16 @@ from .build import BuildError, CompilerNotFoundError
 from .codegen import GemmParams, ParamError, default_params
 
 __version__ = "0.1.0"
-__all__ = ["matmul", "GemmParams", "GemmKernel", "get_kernel", "default_params",
+__all__ = ["matmul", "install", "uninstall", "installed", "is_installed", "GemmParams", "GemmKernel", "get_kernel", "default_params",
            "ParamError", "BuildError", "CompilerNotFoundError", "KernelError", "__version__"]
 
-_LAZY = {"matmul", "GemmKernel", "KernelError", "get_kernel"}
+_LAZY = {"matmul": "gemm", "GemmKernel": "gemm", "KernelError": "gemm", "get_kernel": "gemm",
+         "install": "override", "uninstall": "override", "installed": "override",
+         "is_installed": "override"}
 
 
 def __getattr__(name):
     if name in _LAZY:
-        from . import gemm
-        return getattr(gemm, name)
+        import importlib
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module 'autohc' has no attribute {name!r}")

@@ -195,11 +195,31 @@ def matmul(a, b, *, out=None, alpha=1.0, beta=0.0, threads=None, params: GemmPar
     if (M > 1 and C.strides[0] == 0) or (N > 1 and C.strides[1] == 0):
         raise ValueError("autohc.matmul: out has a zero stride (an expanded view); "
                          "several results would land on one element")
+    return _run(kind, a, b, out, A, B, C, alpha, beta, threads, params)
+
+
+def _gemm_into(a, b, out, alpha: float, beta: float, threads: int):
+    """out := alpha * a @ b + beta * out for float32 CPU tensors already checked by the caller
+    (the torch override); the registry's configuration or the default one."""
+    return _run("torch", a, b, out, _operand_raw(a), _operand_raw(b), _operand_raw(out),
+                alpha, beta, threads, None)
+
+
+def _operand_raw(t, kind: str = "torch") -> _Operand:
+    """An operand the caller already validated (no dtype / autograd checks)."""
+    if kind == "torch":
+        return _Operand(t, t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+    return _Operand(t, t.ctypes.data, tuple(t.shape), tuple(s // 4 for s in t.strides))
+
+
+def _run(kind, a, b, out, A, B, C, alpha, beta, threads, params):
+    M, K = A.shape
+    N = B.shape[1]
     # inputs that alias the output are read from a copy, so the result is still a @ b
     if A.overlaps(C):
-        A = _operand(_copy(a, kind), "a", kind)
+        A = _operand_raw(_copy(a, kind), kind)
     if B.overlaps(C):
-        B = _operand(_copy(b, kind), "b", kind)
+        B = _operand_raw(_copy(b, kind), kind)
 
     if params is None:
         params = tuned_params(M, K, N, A.strides, B.strides, threads)
@@ -220,7 +240,7 @@ def matmul(a, b, *, out=None, alpha=1.0, beta=0.0, threads=None, params: GemmPar
             tmp = tmp.contiguous()
         else:
             tmp = np.ascontiguousarray(tmp)
-        T = _operand(tmp, "out", kind)
+        T = _operand_raw(tmp, kind)
         kernel.run(M, N, K, alpha, A.ptr, A.strides[0], A.strides[1], B.ptr, B.strides[0],
                    B.strides[1], beta, T.ptr, N)
         out[...] = tmp

@@ -1,0 +1,154 @@
+"""Drop-in override: `autohc.install()` makes unmodified torch code run its GEMMs on autohc.
+
+We register CPU kernels for aten::mm, aten::addmm, aten::bmm and aten::baddbmm through
+torch.library (the supported extension point; no Python attribute is patched). They sit below
+autograd, so nn.Linear, F.linear, torch.matmul / @, mm, addmm, bmm all reach them in the
+forward pass, and autograd's own derivative formulas reach them in the backward pass (dX = dY·W
+is NN, dW = dYᵀ·X is TN, both as strided views, no copies).
+
+Whatever autohc does not do (other dtypes, complex, zero-size, tiny problems where the call
+overhead does not pay) goes to ATen's own `.out` kernels, which these registrations leave
+untouched: same results, same errors. `uninstall()` removes the registrations.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+
+import torch
+
+from .gemm import _gemm_into
+
+# Below this many multiply-adds per GEMM, ATen's lower call overhead wins.
+MIN_MACS = 32 * 32 * 32
+# bmm is routed per matrix: only when each matrix is big enough to amortise the loop.
+MIN_BMM_MACS = 128 * 128 * 128
+
+_lock = threading.Lock()
+_state = {"lib": None, "threads": None}
+stats = {"autohc": 0, "aten": 0}       # calls served by each, for tests and curiosity
+
+
+def _threads() -> int:
+    return _state["threads"] or torch.get_num_threads()
+
+
+def _ok(*ts: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.layout == torch.strided and t.device.type == "cpu"
+               and not t.is_quantized and not t.is_neg() for t in ts)
+
+
+def _serve(a: torch.Tensor, b: torch.Tensor, min_macs: int = MIN_MACS) -> bool:
+    if a.dim() != 2 or b.dim() != 2 or not _ok(a, b):
+        return False
+    m, k = a.shape
+    n = b.shape[1]
+    return b.shape[0] == k and m * n > 0 and m * n * k >= min_macs
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if _serve(a, b):
+        stats["autohc"] += 1
+        out = torch.empty(a.shape[0], b.shape[1], dtype=torch.float32)
+        return _gemm_into(a, b, out, 1.0, 0.0, _threads())
+    stats["aten"] += 1
+    return torch.ops.aten.mm.out(a, b, out=a.new_empty(0))
+
+
+def _addmm(inp: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
+    if _serve(m1, m2) and _ok(inp) and not isinstance(beta, complex) and not isinstance(alpha, complex):
+        shape = (m1.shape[0], m2.shape[1])
+        try:
+            src = inp.expand(shape)
+        except RuntimeError:
+            src = None
+        if src is not None:
+            stats["autohc"] += 1
+            out = torch.empty(shape, dtype=torch.float32)
+            if beta != 0:
+                out.copy_(src)
+            return _gemm_into(m1, m2, out, float(alpha), float(beta) if beta != 0 else 0.0, _threads())
+    stats["aten"] += 1
+    return torch.ops.aten.addmm.out(inp, m1, m2, beta=beta, alpha=alpha, out=m1.new_empty(0))
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0] and a.shape[0] > 0 \
+            and _serve(a[0], b[0], MIN_BMM_MACS):
+        stats["autohc"] += 1
+        out = torch.empty(a.shape[0], a.shape[1], b.shape[2], dtype=torch.float32)
+        t = _threads()
+        for i in range(a.shape[0]):
+            _gemm_into(a[i], b[i], out[i], 1.0, 0.0, t)
+        return out
+    stats["aten"] += 1
+    return torch.ops.aten.bmm.out(a, b, out=a.new_empty(0))
+
+
+def _baddbmm(inp, b1, b2, *, beta=1, alpha=1):
+    if b1.dim() == 3 and b2.dim() == 3 and b1.shape[0] == b2.shape[0] and b1.shape[0] > 0 \
+            and _serve(b1[0], b2[0], MIN_BMM_MACS) and _ok(inp) \
+            and not isinstance(beta, complex) and not isinstance(alpha, complex):
+        shape = (b1.shape[0], b1.shape[1], b2.shape[2])
+        try:
+            src = inp.expand(shape)
+        except RuntimeError:
+            src = None
+        if src is not None:
+            stats["autohc"] += 1
+            out = torch.empty(shape, dtype=torch.float32)
+            if beta != 0:
+                out.copy_(src)
+            t = _threads()
+            for i in range(shape[0]):
+                _gemm_into(b1[i], b2[i], out[i], float(alpha), float(beta) if beta != 0 else 0.0, t)
+            return out
+    stats["aten"] += 1
+    return torch.ops.aten.baddbmm.out(inp, b1, b2, beta=beta, alpha=alpha, out=b1.new_empty(0))
+
+
+def install(threads: int | None = None) -> None:
+    """Route torch's CPU float32 GEMMs to autohc kernels (tuned ones from the registry).
+
+    threads: GEMM threads; default follows torch.get_num_threads() at each call."""
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"autohc.install: threads must be a positive int, got {threads!r}")
+    with _lock:
+        _state["threads"] = threads
+        if _state["lib"] is not None:
+            return
+        lib = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():
+            # torch warns once that a kernel is being overridden: that is the point here
+            warnings.simplefilter("ignore")
+            lib.impl("mm", _mm, "CPU")
+            lib.impl("addmm", _addmm, "CPU")
+            lib.impl("bmm", _bmm, "CPU")
+            lib.impl("baddbmm", _baddbmm, "CPU")
+        _state["lib"] = lib
+
+
+def uninstall() -> None:
+    """Give the GEMMs back to ATen."""
+    with _lock:
+        lib, _state["lib"] = _state["lib"], None
+        _state["threads"] = None
+        if lib is not None:
+            lib._destroy()
+
+
+def is_installed() -> bool:
+    return _state["lib"] is not None
+
+
+@contextlib.contextmanager
+def installed(threads: int | None = None):
+    """`with autohc.installed(): ...` — installed inside the block, as before after it."""
+    was = is_installed()
+    install(threads)
+    try:
+        yield
+    finally:
+        if not was:
+            uninstall()

@@ -1,0 +1,192 @@
+"""autohc.install(): unmodified torch code runs its GEMMs on autohc, forward and backward,
+with ATen's results (within fp32 rounding) and ATen's behaviour for everything else."""
+import contextlib
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autohc
+from autohc import override
+
+
+@pytest.fixture(autouse=True)
+def clean():
+    autohc.uninstall()
+    yield
+    autohc.uninstall()
+
+
+def counts():
+    return dict(override.stats)
+
+
+def close(a, b, k):
+    tol = 4 * (k + 4) * 2.0 ** -24
+    return torch.allclose(a, b, rtol=tol * 4, atol=tol * max(1.0, b.abs().max().item()))
+
+
+def test_linear_forward_and_backward_run_on_autohc():
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 80)
+    x = torch.randn(4, 33, 96, requires_grad=True)
+    y_ref = lin(x)
+    y_ref.square().mean().backward()
+    gx, gw, gb = x.grad.clone(), lin.weight.grad.clone(), lin.bias.grad.clone()
+    x.grad = None
+    lin.zero_grad()
+    before = counts()
+    with autohc.installed():
+        y = lin(x)
+        y.square().mean().backward()
+    after = counts()
+    assert after["autohc"] - before["autohc"] >= 3        # forward NT, dX NN, dW TN
+    assert close(y, y_ref, 96) and close(x.grad, gx, 80) and close(lin.weight.grad, gw, 132)
+    assert torch.allclose(lin.bias.grad, gb)
+    assert not autohc.is_installed()
+
+
+def test_install_uninstall_and_threads_follow_torch(monkeypatch):
+    seen = []
+    real = override._gemm_into
+    monkeypatch.setattr(override, "_gemm_into", lambda *a: seen.append(a[-1]) or real(*a))
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    autohc.install()
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        a @ b
+        torch.set_num_threads(2)
+        a @ b
+    finally:
+        torch.set_num_threads(old)
+    autohc.install(threads=1)
+    torch.mm(a, b)
+    assert seen == [1, 2, 1]
+    autohc.uninstall()
+    torch.mm(a, b)
+    assert len(seen) == 3
+    with pytest.raises(ValueError):
+        autohc.install(threads=0)
+
+
+@pytest.mark.parametrize("op", ["mm", "matmul", "addmm", "F.linear", "bmm", "baddbmm", "addmm_beta0"])
+def test_ops_match_aten(op):
+    torch.manual_seed(1)
+    a, b, c = torch.randn(70, 130), torch.randn(130, 90), torch.randn(90)
+    A, B, C = torch.randn(3, 130, 140), torch.randn(3, 140, 150), torch.randn(1, 130, 150)
+    fns = {
+        "mm": lambda: torch.mm(a, b),
+        "matmul": lambda: a @ b,
+        "addmm": lambda: torch.addmm(c, a, b, beta=0.5, alpha=2.0),
+        "addmm_beta0": lambda: torch.addmm(torch.full((70, 90), float("nan")), a, b, beta=0),
+        "F.linear": lambda: F.linear(a, b.t(), c),
+        "bmm": lambda: torch.bmm(A, B),
+        "baddbmm": lambda: torch.baddbmm(C, A, B, beta=-1.0, alpha=0.5),
+    }
+    ref = fns[op]()
+    before = counts()["autohc"]
+    with autohc.installed():
+        got = fns[op]()
+    assert counts()["autohc"] > before
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    assert close(got, ref, 140)
+
+
+@pytest.mark.parametrize("case", ["float64", "int64", "complex64", "zero-size", "tiny", "bf16"])
+def test_fallback_is_aten_bit_for_bit(case):
+    torch.manual_seed(2)
+    mk = {
+        "float64": lambda: (torch.randn(50, 60, dtype=torch.float64), torch.randn(60, 40, dtype=torch.float64)),
+        "int64": lambda: (torch.randint(-5, 5, (50, 60)), torch.randint(-5, 5, (60, 40))),
+        "complex64": lambda: (torch.randn(50, 60, dtype=torch.complex64), torch.randn(60, 40, dtype=torch.complex64)),
+        "zero-size": lambda: (torch.randn(0, 60), torch.randn(60, 40)),
+        "tiny": lambda: (torch.randn(3, 4), torch.randn(4, 5)),
+        "bf16": lambda: (torch.randn(50, 60).bfloat16(), torch.randn(60, 40).bfloat16()),
+    }[case]
+    a, b = mk()
+    ref = a @ b
+    before = counts()
+    with autohc.installed():
+        got = a @ b
+    assert counts()["autohc"] == before["autohc"]
+    assert torch.equal(got, ref)
+
+
+def test_errors_are_atens():
+    a, b = torch.randn(3, 4), torch.randn(5, 6)
+    with pytest.raises(RuntimeError) as ref:
+        a @ b
+    with autohc.installed(), pytest.raises(RuntimeError) as got:
+        a @ b
+    assert type(got.value) is type(ref.value)
+    with autohc.installed(), pytest.raises(RuntimeError):
+        torch.mm(torch.randn(40, 40), torch.randn(40, 40, dtype=torch.float64))
+
+
+def test_gradcheck_float64_through_the_fallback():
+    lin = nn.Linear(6, 5).double()
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    with autohc.installed():
+        assert torch.autograd.gradcheck(lambda t: lin(t).tanh(), (x,))
+
+
+def test_torch_compile_same_results():
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(approximate="tanh"), nn.Linear(128, 64))
+    x = torch.randn(32, 64)
+    ref = model(x)
+    with autohc.installed():
+        compiled = torch.compile(model, backend="aot_eager")
+        got = compiled(x)
+        eager = model(x)
+    assert close(got, ref, 128) and close(eager, ref, 128)
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self, d=64, heads=4, n_cls=10):
+        super().__init__()
+        self.inp = nn.Linear(16, d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.ln = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d))
+        self.head = nn.Linear(d, n_cls)
+
+    def forward(self, x):
+        h = self.inp(x)
+        h = h + self.attn(h, h, h, need_weights=False)[0]
+        h = h + self.mlp(self.ln(h))
+        return self.head(h.mean(1))
+
+
+def train(install: bool, steps: int = 5):
+    torch.manual_seed(4)
+    model = TinyTransformer()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = torch.randn(steps, 16, 32, 16)
+    labels = torch.randint(0, 10, (steps, 16))
+    losses, grads = [], None
+    with autohc.installed() if install else contextlib.nullcontext():
+        for i in range(steps):
+            loss = F.cross_entropy(model(data[i]), labels[i])
+            opt.zero_grad()
+            loss.backward()
+            if i == 0:
+                grads = [p.grad.clone() for p in model.parameters()]
+            opt.step()
+            losses.append(loss.item())
+    return losses, grads
+
+
+def test_training_a_small_transformer_gives_the_same_losses():
+    """Same seed, 5 AdamW steps, with and without install(): losses agree to 1e-5 relative
+    and the first step's gradients to fp32 rounding."""
+    before = counts()["autohc"]
+    l_auto, g_auto = train(True)
+    assert counts()["autohc"] - before >= 5 * 6
+    l_ref, g_ref = train(False)
+    for a, b in zip(l_auto, l_ref):
+        assert abs(a - b) <= 1e-5 * abs(b)
+    for a, b in zip(g_auto, g_ref):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
