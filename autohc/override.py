@@ -47,6 +47,23 @@ def _serve(a: torch.Tensor, b: torch.Tensor, min_macs: int = MIN_MACS) -> bool:
     return b.shape[0] == k and m * n > 0 and m * n * k >= min_macs
 
 
+def _scaled_start(inp: torch.Tensor, shape, beta) -> torch.Tensor | None:
+    """A new float32 `shape` tensor holding inp broadcast (if beta != 0), or None if inp does
+    not broadcast to `shape` (ATen then raises its own error)."""
+    try:
+        src = inp.expand(shape)
+    except RuntimeError:
+        return None
+    out = torch.empty(shape, dtype=torch.float32)
+    if beta != 0:
+        out.copy_(src)
+    return out
+
+
+def _real(*scalars) -> bool:
+    return not any(isinstance(s, complex) for s in scalars)
+
+
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if _serve(a, b):
         stats["autohc"] += 1
@@ -57,18 +74,11 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _addmm(inp: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
-    if _serve(m1, m2) and _ok(inp) and not isinstance(beta, complex) and not isinstance(alpha, complex):
-        shape = (m1.shape[0], m2.shape[1])
-        try:
-            src = inp.expand(shape)
-        except RuntimeError:
-            src = None
-        if src is not None:
+    if _serve(m1, m2) and _ok(inp) and _real(beta, alpha):
+        out = _scaled_start(inp, (m1.shape[0], m2.shape[1]), beta)
+        if out is not None:
             stats["autohc"] += 1
-            out = torch.empty(shape, dtype=torch.float32)
-            if beta != 0:
-                out.copy_(src)
-            return _gemm_into(m1, m2, out, float(alpha), float(beta) if beta != 0 else 0.0, _threads())
+            return _gemm_into(m1, m2, out, float(alpha), float(beta), _threads())
     stats["aten"] += 1
     return torch.ops.aten.addmm.out(inp, m1, m2, beta=beta, alpha=alpha, out=m1.new_empty(0))
 
@@ -88,21 +98,13 @@ def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _baddbmm(inp, b1, b2, *, beta=1, alpha=1):
     if b1.dim() == 3 and b2.dim() == 3 and b1.shape[0] == b2.shape[0] and b1.shape[0] > 0 \
-            and _serve(b1[0], b2[0], MIN_BMM_MACS) and _ok(inp) \
-            and not isinstance(beta, complex) and not isinstance(alpha, complex):
-        shape = (b1.shape[0], b1.shape[1], b2.shape[2])
-        try:
-            src = inp.expand(shape)
-        except RuntimeError:
-            src = None
-        if src is not None:
+            and _serve(b1[0], b2[0], MIN_BMM_MACS) and _ok(inp) and _real(beta, alpha):
+        out = _scaled_start(inp, (b1.shape[0], b1.shape[1], b2.shape[2]), beta)
+        if out is not None:
             stats["autohc"] += 1
-            out = torch.empty(shape, dtype=torch.float32)
-            if beta != 0:
-                out.copy_(src)
             t = _threads()
-            for i in range(shape[0]):
-                _gemm_into(b1[i], b2[i], out[i], float(alpha), float(beta) if beta != 0 else 0.0, t)
+            for i in range(out.shape[0]):
+                _gemm_into(b1[i], b2[i], out[i], float(alpha), float(beta), t)
             return out
     stats["aten"] += 1
     return torch.ops.aten.baddbmm.out(inp, b1, b2, beta=beta, alpha=alpha, out=b1.new_empty(0))
