@@ -55,6 +55,7 @@ class GemmRow:
     pct_peak: float
     speedup_vs_torch: float
     speedup_vs_numpy: float
+    config: str = "default"         # default | tuned (from the registry) | given
 
 
 def bench_problem(p: GemmProblem, threads: int, *, repeats: int = 7, params: GemmParams | None = None,
@@ -67,10 +68,15 @@ def bench_problem(p: GemmProblem, threads: int, *, repeats: int = 7, params: Gem
     N = b.shape[1]
     out = torch.empty(M, N)
     an, bn, on = a.numpy(), b.numpy(), np.empty((M, N), np.float32)
-    params = params or default_kernel_params(threads)
-    kernel = get_kernel(params)
+    if params is None:      # what autohc.matmul runs: the registry's config, else the default
+        from .gemm import tuned_params
+        run_params = tuned_params(M, K, N, a.stride(), b.stride(), threads)
+        config = "default" if run_params == default_kernel_params(threads) else "tuned"
+    else:
+        run_params, config = params, "given"
+    get_kernel(run_params)
     fns = {
-        "autohc": lambda: matmul(a, b, out=out, params=params),
+        "autohc": lambda: matmul(a, b, out=out, params=run_params),
         "torch": lambda: torch.matmul(a, b, out=out),
         "numpy": lambda: np.matmul(an, bn, out=on),
     }
@@ -100,11 +106,10 @@ def bench_problem(p: GemmProblem, threads: int, *, repeats: int = 7, params: Gem
     g = {k: p.flops / v / 1e9 for k, v in t.items()}
     g.setdefault("numpy", float("nan"))
     peak = (peak_per_core or 0.0) * threads
-    del kernel
     return GemmRow(p.name, p.layout, p.M, p.K, p.N, threads, round(g["autohc"], 1),
                    round(g["torch"], 1), round(g["numpy"], 1),
                    round(100 * g["autohc"] / peak, 1) if peak else float("nan"),
-                   round(g["autohc"] / g["torch"], 3), round(g["autohc"] / g["numpy"], 3))
+                   round(g["autohc"] / g["torch"], 3), round(g["autohc"] / g["numpy"], 3), config)
 
 
 def geomean(xs) -> float:

@@ -137,7 +137,36 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the libraries' spinning thread pools (default: all three wait "
                         "passively, via OMP_WAIT_POLICY=PASSIVE and OPENBLAS_THREAD_TIMEOUT=4, "
                         "so no library's idle threads steal the cores of the one being timed)")
+    gate = bsub.add_parser(
+        "gate", help="CI perf-regression gate on autohc/torch speed ratios",
+        description="Measures autohc/torch speed ratios (interleaved, medians) on the DiT-XL/2 "
+                    "forward GEMMs at 1 and 2 threads and fails (exit 1) when one falls more than "
+                    "--margin below the committed baseline for this CPU (bench/baseline.json).",
+        epilog="refresh the baseline after an intended change:  autohc bench gate --update")
+    gate.add_argument("--baseline", default=None, help="baseline file (default: bench/baseline.json)")
+    gate.add_argument("--margin", type=float, default=None,
+                      help="allowed fall of a ratio, as a fraction (default 0.25)")
+    gate.add_argument("--update", action="store_true", help="measure and rewrite this CPU's baseline")
+    gate.add_argument("--contended", action="store_true", help=argparse.SUPPRESS)
     return ap
+
+
+def cmd_gate(args) -> int:
+    from . import gate
+    path = Path(args.baseline) if args.baseline else gate.DEFAULT_BASELINE
+    show = lambda key, ratio: print(f"  measured {key}: {ratio:.2f}x torch", file=sys.stderr, flush=True)  # noqa: E731
+    if args.update:
+        entry = gate.update(path, progress=show)
+        print(f"autohc: baseline for {entry['cpu']} written to {path} ({len(entry['ratios'])} ratios)")
+        return 0
+    margin = gate.MARGIN if args.margin is None else args.margin
+    if not 0 < margin < 1:
+        raise SystemExit("autohc: error: --margin must be between 0 and 1")
+    ok, lines = gate.check(path, margin, progress=show)
+    for line in lines:
+        print(line)
+    print("autohc perf gate: " + ("passed" if ok else "FAILED"))
+    return 0 if ok else 1
 
 
 def cmd_info(args) -> int:
@@ -319,11 +348,12 @@ def cmd_bench_gemm(args) -> int:
     for r in results:
         t = Table(title=f"{r['model']} training GEMMs, {r['threads']} thread(s), {r['isa']} "
                         f"(peak {r['peak_gflops_per_core']} GFLOP/s per core)")
-        for col in ("GEMM", "layout", "M", "K", "N", "autohc GFLOP/s", "% peak", "torch",
+        for col in ("GEMM", "layout", "M", "K", "N", "config", "autohc GFLOP/s", "% peak", "torch",
                     "numpy", "x torch", "x numpy"):
-            t.add_column(col, justify="left" if col in ("GEMM", "layout") else "right")
+            t.add_column(col, justify="left" if col in ("GEMM", "layout", "config") else "right")
         for row in r["rows"]:
             t.add_row(row["name"], row["layout"], str(row["M"]), str(row["K"]), str(row["N"]),
+                      row.get("config", ""),
                       f"{row['gflops']:.1f}", f"{row['pct_peak']:.0f}%",
                       f"{row['torch_gflops']:.1f}", f"{row['numpy_gflops']:.1f}",
                       f"{row['speedup_vs_torch']:.2f}", f"{row['speedup_vs_numpy']:.2f}")
@@ -337,10 +367,11 @@ def markdown_table(r: dict) -> str:
     lines = [f"**{r['model']}, {r['threads']} thread(s)**, {r['isa']}, measured peak "
              f"{r['peak_gflops_per_core']} GFLOP/s per core; geomean "
              f"**{r['geomean_speedup_vs_torch']:.2f}x torch, {r['geomean_speedup_vs_numpy']:.2f}x numpy**",
-             "", "| GEMM | layout | M | K | N | autohc GFLOP/s | % peak | torch | numpy | x torch | x numpy |",
-             "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+             "", "| GEMM | layout | M | K | N | config | autohc GFLOP/s | % peak | torch | numpy | x torch | x numpy |",
+             "|---|---|--:|--:|--:|---|--:|--:|--:|--:|--:|--:|"]
     for w in r["rows"]:
-        lines.append(f"| {w['name']} | {w['layout']} | {w['M']} | {w['K']} | {w['N']} | {w['gflops']:.1f} "
+        lines.append(f"| {w['name']} | {w['layout']} | {w['M']} | {w['K']} | {w['N']} | {w.get('config', '')} "
+                     f"| {w['gflops']:.1f} "
                      f"| {w['pct_peak']:.0f}% | {w['torch_gflops']:.1f} | {w['numpy_gflops']:.1f} "
                      f"| {w['speedup_vs_torch']:.2f} | {w['speedup_vs_numpy']:.2f} |")
     return "\n".join(lines) + "\n"
@@ -370,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_report(args, parser)
         if args.command == "bench" and args.what == "gemm":
             return cmd_bench_gemm(args)
+        if args.command == "bench" and args.what == "gate":
+            return cmd_gate(args)
     except KeyboardInterrupt:
         print("autohc: interrupted", file=sys.stderr)
         return 130

@@ -89,3 +89,24 @@ def test_tune_json_then_registry(tmp_path):
     r4 = subprocess.run([sys.executable, "-m", "autohc.cli", "cache", "verify", "--json"],
                         capture_output=True, text=True, timeout=300, env=env)
     assert r4.returncode == 0 and json.loads(r4.stdout)["bad"] == 0
+
+
+def test_perf_gate_passes_fails_and_reports(tmp_path, monkeypatch):
+    """The gate logic with the measurement stubbed (real timings belong to `autohc bench gate`)."""
+    from autohc import cpu, gate
+    fp = cpu.detect().fingerprint
+    base = tmp_path / "baseline.json"
+    assert gate.check(base)[0] is True                                   # no baseline: says so
+    assert "no baseline" in gate.check(base)[1][0]
+    base.write_text(json.dumps({fp: {"cpu": "x", "isa": "avx2", "ratios": {
+        "fc1/NT/2048x1152x4608/t1": 1.8, "qkv/NT/2048x1152x3456/t1": 1.8}}}))
+    measured = {"fc1/NT/2048x1152x4608/t1": 1.75, "qkv/NT/2048x1152x3456/t1": 1.1}
+    monkeypatch.setattr(gate, "measure_ratios",
+                        lambda progress=None, only=None, rounds=3: {k: v for k, v in measured.items()
+                                                                  if only is None or k in only})
+    ok, lines = gate.check(base, margin=0.25)
+    assert not ok
+    bad = [line for line in lines if line.startswith("REGRESSION")]
+    assert len(bad) == 1 and "qkv/NT/2048x1152x3456/t1" in bad[0] and "-39%" in bad[0]
+    measured["qkv/NT/2048x1152x3456/t1"] = 1.5
+    assert gate.check(base, margin=0.25)[0] is True
