@@ -190,3 +190,25 @@ def test_training_a_small_transformer_gives_the_same_losses():
         assert abs(a - b) <= 1e-5 * abs(b)
     for a, b in zip(g_auto, g_ref):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_opcheck_on_every_overridden_op():
+    a, b, c = torch.randn(70, 130), torch.randn(130, 90), torch.randn(90)
+    A, B = torch.randn(3, 130, 140), torch.randn(3, 140, 150)
+    with autohc.installed():
+        torch.library.opcheck(torch.ops.aten.mm.default, (a, b))
+        torch.library.opcheck(torch.ops.aten.addmm.default, (c, a, b), {"beta": 0.5, "alpha": 2.0})
+        torch.library.opcheck(torch.ops.aten.bmm.default, (A, B))
+        torch.library.opcheck(torch.ops.aten.baddbmm.default, (torch.randn(3, 130, 150), A, B))
+
+
+def test_torch_compile_inductor_same_results():
+    """Inductor lowers GEMMs itself (so they do not reach autohc), but the model must run
+    with autohc installed and give the eager results."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(approximate="tanh"), nn.Linear(128, 64))
+    x = torch.randn(32, 64)
+    ref = model(x)
+    with autohc.installed():
+        got = torch.compile(model)(x)
+    assert close(got, ref, 128)
