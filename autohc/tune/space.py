@@ -53,7 +53,21 @@ def isa_entries(space: dict, isa: str) -> dict:
         raise ValueError(f"unknown isa {isa!r}")
     entries = dict(space.get("common", {}))
     entries.update((space.get("isa") or {}).get(isa, {}))
+    entries.pop("starts", None)
     return entries
+
+
+def starting_points(params: GemmParams, isa: str, op: str = "gemm") -> list[dict]:
+    """Trial values of the default and of the YAML's `starts` (overrides of the default)."""
+    base = as_suggestions(params, isa, op)
+    starts = ((load_space(op).get("isa") or {}).get(isa) or {}).get("starts") or []
+    out = [base]
+    for s in starts:
+        unknown = set(s) - set(base)
+        if unknown:
+            raise ValueError(f"search space {op}/{isa}: start {s} names unknown parameters {unknown}")
+        out.append({**base, **s})
+    return out
 
 
 def suggest_params(trial, isa: str, threads: int, op: str = "gemm") -> GemmParams:
