@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import jinja2
@@ -10,7 +11,10 @@ from .params import GemmParams
 
 
 def templates_dir() -> Path:
-    """templates/ of a source checkout, else the copy installed inside the package."""
+    """$AUTOHC_TEMPLATES_DIR (template development), else templates/ of a source checkout,
+    else the copy installed inside the package."""
+    if os.environ.get("AUTOHC_TEMPLATES_DIR"):
+        return Path(os.environ["AUTOHC_TEMPLATES_DIR"])
     here = Path(__file__).resolve().parent
     for candidate in (here.parents[1] / "templates", here.parent / "_templates"):
         if (candidate / "gemm" / "gemm.c.j2").is_file():
