@@ -14,6 +14,7 @@ from pathlib import Path
 
 from . import cpu
 from .bench import bench_problem
+from .gemm import default_kernel_params
 from .problem import dit_problems
 
 DEFAULT_BASELINE = Path(__file__).resolve().parent.parent / "bench" / "baseline.json"
@@ -40,8 +41,11 @@ def measure_ratios(repeats: int = 5, rounds: int = 3, progress=None,
         for p in gate_problems():
             if only is not None and _key(p, threads) not in only:
                 continue
-            rs = [bench_problem(p, threads, repeats=repeats, with_numpy=False).speedup_vs_torch
-                  for _ in range(rounds)]
+            # the default configuration: the same kernel on every machine of a CPU model,
+            # whatever its registry holds
+            params = default_kernel_params(threads)
+            rs = [bench_problem(p, threads, repeats=repeats, with_numpy=False, params=params)
+                  .speedup_vs_torch for _ in range(rounds)]
             out[_key(p, threads)] = round(statistics.median(rs), 3)
             if progress:
                 progress(_key(p, threads), out[_key(p, threads)])
