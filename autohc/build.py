@@ -189,7 +189,7 @@ def _compile(source: str, cdef: str, flags: tuple[str, ...], cc: str, key: str,
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         err = proc.stderr.strip()
-        if "Python.h" in err:
+        if "Python.h: No such file" in err:
             raise BuildError("autohc cannot find Python.h: install the Python development "
                              "headers (Debian/Ubuntu: apt-get install python3-dev)")
         raise BuildError(f"compiling kernel {key[:12]} failed:\n$ {' '.join(cmd)}\n{err[-4000:]}")

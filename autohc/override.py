@@ -1,4 +1,5 @@
-"""Drop-in override: `autohc.install()` makes unmodified torch code run its GEMMs on autohc.
+"""Drop-in override: `autohc.install()` makes unmodified torch code run its GEMMs (and GELU(tanh),
+SiLU: autohc/ops.py) on autohc.
 
 We register CPU kernels for aten::mm, aten::addmm, aten::bmm and aten::baddbmm through
 torch.library (the supported extension point; no Python attribute is patched). They sit below
@@ -128,6 +129,9 @@ def install(threads: int | None = None) -> None:
             lib.impl("addmm", _addmm, "CPU")
             lib.impl("bmm", _bmm, "CPU")
             lib.impl("baddbmm", _baddbmm, "CPU")
+            from .ops import ATEN_IMPLS      # GELU(tanh), SiLU: forward and backward
+            for name, fn in ATEN_IMPLS.items():
+                lib.impl(name, fn, "CPU")
         _state["lib"] = lib
 
 

@@ -1,0 +1,187 @@
+"""Element-wise AI operators from templates/ops: GELU(tanh) and SiLU, forward and backward.
+
+    autohc.ops.gelu_tanh(x), autohc.ops.silu(x)      torch custom ops with autograd
+    autohc.install()                                 also routes F.gelu(approximate="tanh")
+                                                     and F.silu on float32 CPU tensors
+
+float32 CPU tensors run the generated kernels, split over torch.get_num_threads() threads
+(cffi releases the GIL); everything else runs torch's own implementation.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+
+import torch
+
+from . import cpu
+from .build import build
+from .codegen.params import ISAS, ParamError
+from .codegen.render import environment
+
+PARALLEL_MIN = 1 << 16          # below this many elements one thread is faster
+
+
+@dataclass(frozen=True)
+class EltwiseParams:
+    isa: str = "avx2"
+    vl: int = 8                 # fp32 lanes per vector
+    unroll: int = 2             # vectors per loop iteration
+
+    def validate(self) -> "EltwiseParams":
+        if self.isa not in ISAS:
+            raise ParamError(f"isa={self.isa!r}: one of {tuple(ISAS)}")
+        if type(self.vl) is not int or self.vl not in (4, 8, 16):
+            raise ParamError(f"vl={self.vl!r}: one of (4, 8, 16)")
+        if type(self.unroll) is not int or not 1 <= self.unroll <= 8:
+            raise ParamError(f"unroll={self.unroll!r}: an int in [1, 8]")
+        return self
+
+    @property
+    def symbol(self) -> str:
+        return f"autohc_ew_{self.isa}_{self.vl}_{self.unroll}"
+
+
+FUNCS = ("gelu_tanh_fwd", "silu_fwd", "tanh_fwd")
+BWD_FUNCS = ("gelu_tanh_bwd", "silu_bwd")
+
+
+def default_eltwise(isa: str | None = None) -> EltwiseParams:
+    isa = isa or cpu.best_isa()
+    return EltwiseParams(isa=isa, vl={"avx512": 16, "avx2": 8}.get(isa, 4), unroll=2).validate()
+
+
+@functools.lru_cache(maxsize=None)
+def library(params: EltwiseParams):
+    p = params.validate()
+    src = environment().get_template("ops/eltwise.c.j2").render(**asdict(p), sym=p.symbol)
+    cdef = "".join(f"void {p.symbol}_{f}(const float *x, float *y, int64_t n);\n" for f in FUNCS)
+    cdef += "".join(f"void {p.symbol}_{f}(const float *g, const float *x, float *dx, int64_t n);\n"
+                    for f in BWD_FUNCS)
+    lib = build(src, cdef, ISAS[p.isa].cflags, meta={"op": "eltwise", "params": asdict(p)})
+    return lib
+
+
+@functools.lru_cache(maxsize=None)
+def _pool(n: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=n, thread_name_prefix="autohc-ew")
+
+
+def _run(name: str, *tensors: torch.Tensor, params: EltwiseParams | None = None) -> torch.Tensor:
+    """out = f(*tensors) on contiguous float32 CPU tensors of one shape."""
+    p = params or default_eltwise()
+    lib = library(p)
+    fn = getattr(lib.lib, f"{p.symbol}_{name}")
+    ffi = lib.ffi
+    ins = [t.contiguous() for t in tensors]
+    out = torch.empty_like(ins[-1], memory_format=torch.contiguous_format)
+    n = out.numel()
+    ptrs = [ffi.cast("float *", t.data_ptr()) for t in ins]
+    optr = ffi.cast("float *", out.data_ptr())
+    threads = torch.get_num_threads()
+    if n < PARALLEL_MIN or threads == 1:
+        fn(*ptrs, optr, n)
+        return out
+    chunk = -(-n // threads)
+    chunk = -(-chunk // 64) * 64            # whole cache lines per thread
+    jobs = []
+    for s in range(0, n, chunk):
+        m = min(chunk, n - s)
+        jobs.append(_pool(threads).submit(fn, *[q + s for q in ptrs], optr + s, m))
+    for j in jobs:
+        j.result()
+    return out
+
+
+def _fast(*ts: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.layout == torch.strided
+               for t in ts) and len({t.shape for t in ts}) == 1
+
+
+# ----------------------------------------------------------------- torch custom ops
+
+@torch.library.custom_op("autohc::gelu_tanh", mutates_args=())
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation (as F.gelu(x, approximate="tanh"))."""
+    if _fast(x):
+        return _run("gelu_tanh_fwd", x)
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+@torch.library.custom_op("autohc::gelu_tanh_backward", mutates_args=())
+def gelu_tanh_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    if _fast(grad, x):
+        return _run("gelu_tanh_bwd", grad, x)
+    return torch.ops.aten.gelu_backward(grad, x, approximate="tanh")
+
+
+@torch.library.custom_op("autohc::silu", mutates_args=())
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU x * sigmoid(x) (as F.silu)."""
+    if _fast(x):
+        return _run("silu_fwd", x)
+    return torch.nn.functional.silu(x)
+
+
+@torch.library.custom_op("autohc::silu_backward", mutates_args=())
+def silu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    if _fast(grad, x):
+        return _run("silu_bwd", grad, x)
+    return torch.ops.aten.silu_backward(grad, x)
+
+
+for _op in (gelu_tanh, silu):
+    _op.register_fake(lambda x: torch.empty_like(x, memory_format=torch.contiguous_format))
+for _op in (gelu_tanh_backward, silu_backward):
+    _op.register_fake(lambda g, x: torch.empty_like(x, memory_format=torch.contiguous_format))
+
+
+def _save_input(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+gelu_tanh.register_autograd(lambda ctx, g: gelu_tanh_backward(g, ctx.saved_tensors[0]),
+                            setup_context=_save_input)
+silu.register_autograd(lambda ctx, g: silu_backward(g, ctx.saved_tensors[0]),
+                       setup_context=_save_input)
+
+
+# ------------------------------------------------- aten CPU kernels for autohc.install()
+
+def _dense(*ts: torch.Tensor) -> bool:
+    """Served by autohc only where the result's layout is the same as ATen's (contiguous)."""
+    return _fast(*ts) and all(t.is_contiguous() for t in ts) and ts[0].numel() > 0
+
+
+def aten_gelu(x, *, approximate="none"):
+    if approximate == "tanh" and _dense(x):
+        return _run("gelu_tanh_fwd", x)
+    return torch.ops.aten.gelu.out(x, approximate=approximate, out=x.new_empty(0))
+
+
+def aten_gelu_backward(grad, x, *, approximate="none"):
+    if approximate == "tanh" and _dense(grad, x):
+        return _run("gelu_tanh_bwd", grad, x)
+    return torch.ops.aten.gelu_backward.grad_input(grad, x, approximate=approximate,
+                                                   grad_input=x.new_empty(0))
+
+
+def aten_silu(x):
+    if _dense(x):
+        return _run("silu_fwd", x)
+    return torch.ops.aten.silu.out(x, out=x.new_empty(0))
+
+
+def aten_silu_backward(grad, x):
+    if _dense(grad, x):
+        return _run("silu_bwd", grad, x)
+    return torch.ops.aten.silu_backward.grad_input(grad, x, grad_input=x.new_empty(0))
+
+
+ATEN_IMPLS = {"gelu": aten_gelu, "gelu_backward": aten_gelu_backward,
+              "silu": aten_silu, "silu_backward": aten_silu_backward}
+
+if os.environ.get("AUTOHC_EAGER_BUILD"):     # compile at import (e.g. before forking workers)
+    library(default_eltwise())

@@ -1,0 +1,134 @@
+"""Element-wise operators (templates/ops): GELU(tanh), SiLU, forward and backward.
+
+Stated float32 accuracy (abs error vs float64 torch, inputs ~ N(0, 4^2)): fast tanh <= 4e-7;
+GELU <= 2e-6; dGELU <= 5e-5 * |grad|; SiLU and dSiLU <= 5e-6. NaN / Inf / -0 as torch.
+"""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autohc
+import autohc.ops as ops
+from autohc import cpu
+
+ISAS = cpu.runnable_isas()
+F64 = {
+    "gelu": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+}
+
+
+@pytest.fixture(autouse=True)
+def clean():
+    autohc.uninstall()
+    yield
+    autohc.uninstall()
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
+def test_fast_tanh_error_bound(isa):
+    if isa not in ISAS:
+        pytest.skip(f"this CPU cannot run {isa}")
+    x = torch.linspace(-12, 12, 1_000_001)
+    got = ops._run("tanh_fwd", x, params=ops.default_eltwise(isa))
+    assert (got.double() - torch.tanh(x.double())).abs().max().item() <= 4e-7
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
+@pytest.mark.parametrize("n", [1, 2, 7, 15, 16, 17, 33, 1000, 70001])
+def test_forward_backward_accuracy_ragged_sizes(isa, n):
+    if isa not in ISAS:
+        pytest.skip(f"this CPU cannot run {isa}")
+    p = ops.default_eltwise(isa)
+    torch.manual_seed(n)
+    x, g = torch.randn(n) * 4, torch.randn(n)
+    xd, gd = x.double(), g.double()
+    assert (ops._run("gelu_tanh_fwd", x, params=p).double() - F64["gelu"](xd)).abs().max() <= 2e-6
+    ref = torch.ops.aten.gelu_backward(gd, xd, approximate="tanh")
+    assert ((ops._run("gelu_tanh_bwd", g, x, params=p).double() - ref).abs() <= 5e-5 * (1 + gd.abs())).all()
+    assert (ops._run("silu_fwd", x, params=p).double() - F.silu(xd)).abs().max() <= 5e-6
+    ref = torch.ops.aten.silu_backward(gd, xd)
+    assert (ops._run("silu_bwd", g, x, params=p).double() - ref).abs().max() <= 5e-6 * (1 + gd.abs().max())
+
+
+SPECIAL = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e30, -1e30, 3.0,
+                        -3.0, 9.5, -9.5, 1e-30, -1e-30])
+
+
+@pytest.mark.parametrize("which", ["gelu", "silu", "gelu_bwd", "silu_bwd"])
+def test_nan_inf_and_signed_zero_as_torch(which):
+    x, g = SPECIAL, torch.ones_like(SPECIAL)
+    got, ref = {
+        "gelu": (ops.gelu_tanh(x), F.gelu(x, approximate="tanh")),
+        "silu": (ops.silu(x), F.silu(x)),
+        "gelu_bwd": (ops.gelu_tanh_backward(g, x), torch.ops.aten.gelu_backward(g, x, approximate="tanh")),
+        "silu_bwd": (ops.silu_backward(g, x), torch.ops.aten.silu_backward(g, x)),
+    }[which]
+    assert torch.equal(torch.isnan(got), torch.isnan(ref))
+    assert torch.equal(torch.isinf(got), torch.isinf(ref))
+    fin = torch.isfinite(ref)
+    assert torch.equal(torch.signbit(got[fin]), torch.signbit(ref[fin]))
+    assert torch.allclose(got[fin], ref[fin], rtol=1e-5, atol=1e-6)
+
+
+def test_non_contiguous_and_multithreaded():
+    base = torch.randn(300, 1000) * 3
+    x = base[:, ::2]                                   # non-contiguous, 150k elements
+    assert not x.is_contiguous()
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        y = ops.gelu_tanh(x)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.allclose(y, F.gelu(x, approximate="tanh"), atol=2e-6)
+
+
+def test_autograd_and_gradcheck():
+    x = (torch.randn(5, 37) * 3).requires_grad_()
+    ops.gelu_tanh(x).sum().backward()
+    ref = torch.ops.aten.gelu_backward(torch.ones_like(x), x.detach(), approximate="tanh")
+    assert torch.allclose(x.grad, ref, atol=5e-5)
+    xd = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)  # the fallback serves float64
+    assert torch.autograd.gradcheck(ops.gelu_tanh, (xd,))
+    assert torch.autograd.gradcheck(ops.silu, (xd,))
+
+
+@pytest.mark.parametrize("op, args", [
+    ("gelu_tanh", lambda: (torch.randn(3, 40),)),
+    ("silu", lambda: (torch.randn(3, 40),)),
+    ("gelu_tanh_backward", lambda: (torch.randn(3, 40), torch.randn(3, 40))),
+    ("silu_backward", lambda: (torch.randn(3, 40), torch.randn(3, 40))),
+])
+def test_opcheck(op, args):
+    torch.library.opcheck(getattr(torch.ops.autohc, op).default, args())
+
+
+def test_install_routes_torch_gelu_and_silu():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(40, 64), nn.GELU(approximate="tanh"), nn.Linear(64, 64), nn.SiLU())
+    x = torch.randn(16, 40, requires_grad=True)
+    w = torch.randn(16, 64)                 # a dense upstream gradient (sum() gives an expanded one)
+    ref = m(x)
+    (ref * w).sum().backward()
+    gref = x.grad.clone()
+    x.grad = None
+    calls = []
+    real = ops._run
+    import autohc.ops as o
+    o._run = lambda name, *t, **k: calls.append(name) or real(name, *t, **k)
+    try:
+        with autohc.installed():
+            y = m(x)
+            (y * w).sum().backward()
+    finally:
+        o._run = real
+    assert {"gelu_tanh_fwd", "gelu_tanh_bwd", "silu_fwd", "silu_bwd"} <= set(calls)
+    assert torch.allclose(y, ref, atol=1e-5) and torch.allclose(x.grad, gref, atol=1e-4)
+    # exact GELU (approximate="none"), other dtypes: ATen, bit for bit
+    z = torch.randn(100)
+    with autohc.installed():
+        assert torch.equal(F.gelu(z), F.gelu(z.clone()))
+        zd = z.double()
+        assert torch.equal(F.silu(zd), torch.ops.aten.silu.out(zd, out=torch.empty(0, dtype=torch.float64)))
