@@ -1,6 +1,7 @@
-"""Element-wise AI operators from templates/ops: GELU(tanh) and SiLU, forward and backward.
+"""AI operators from templates/ops: GELU(tanh), SiLU, LayerNorm + adaLN modulate (fwd + bwd).
 
     autohc.ops.gelu_tanh(x), autohc.ops.silu(x)      torch custom ops with autograd
+    autohc.ops.layernorm_modulate(x, scale, shift)   DiT's modulate(norm(x), shift, scale)
     autohc.install()                                 also routes F.gelu(approximate="tanh")
                                                      and F.silu on float32 CPU tensors
 
@@ -60,6 +61,12 @@ def library(params: EltwiseParams):
     cdef = "".join(f"void {p.symbol}_{f}(const float *x, float *y, int64_t n);\n" for f in FUNCS)
     cdef += "".join(f"void {p.symbol}_{f}(const float *g, const float *x, float *dx, int64_t n);\n"
                     for f in BWD_FUNCS)
+    cdef += (f"void {p.symbol}_ln_mod_fwd(const float *x, const float *scale, const float *shift, "
+             "float *y, float *mean_out, float *rstd_out, int64_t r0, int64_t r1, int64_t D, "
+             "int64_t T, float eps);\n"
+             f"void {p.symbol}_ln_mod_bwd(const float *dy, const float *x, const float *scale, "
+             "const float *mean, const float *rstd, float *dx, float *dscale, float *dshift, "
+             "int64_t b0, int64_t b1, int64_t D, int64_t T);\n")
     lib = build(src, cdef, ISAS[p.isa].cflags, meta={"op": "eltwise", "params": asdict(p)})
     return lib
 
@@ -146,6 +153,126 @@ gelu_tanh.register_autograd(lambda ctx, g: gelu_tanh_backward(g, ctx.saved_tenso
                             setup_context=_save_input)
 silu.register_autograd(lambda ctx, g: silu_backward(g, ctx.saved_tensors[0]),
                        setup_context=_save_input)
+
+
+# ------------------------------------------- LayerNorm (no affine) + adaLN modulate, fused
+
+def _split(n: int, parts: int) -> list[tuple[int, int]]:
+    return [(n * i // parts, n * (i + 1) // parts) for i in range(parts) if n * i // parts < n * (i + 1) // parts]
+
+
+def _in_threads(fn, ranges):
+    if len(ranges) == 1:
+        fn(*ranges[0])
+        return
+    for j in [_pool(len(ranges)).submit(fn, a, b) for a, b in ranges]:
+        j.result()
+
+
+def _ln_reference(x, scale, shift, eps):
+    y = torch.nn.functional.layer_norm(x, (x.shape[-1],), eps=eps)
+    if scale is not None:
+        y = y * (1 + scale[:, None, :])
+    if shift is not None:
+        y = y + shift[:, None, :]
+    return y
+
+
+@torch.library.custom_op("autohc::layernorm_modulate", mutates_args=())
+def _ln_mod(x: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | None,
+            eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, T, D = x.shape
+    if not _fast(x) or any(t is not None and not _fast(t) for t in (scale, shift)):
+        xd = x.double()
+        mean = xd.mean(-1).reshape(-1).to(x.dtype)
+        rstd = (xd.var(-1, unbiased=False) + eps).rsqrt().reshape(-1).to(x.dtype)
+        return _ln_reference(x, scale, shift, eps), mean, rstd
+    p = default_eltwise()
+    lib = library(p)
+    ffi, fn = lib.ffi, getattr(lib.lib, f"{p.symbol}_ln_mod_fwd")
+    xc = x.contiguous()
+    sc = scale.contiguous() if scale is not None else None
+    sh = shift.contiguous() if shift is not None else None
+    y = torch.empty_like(xc)
+    mean = torch.empty(B * T)
+    rstd = torch.empty(B * T)
+    ptr = lambda t: ffi.cast("float *", t.data_ptr()) if t is not None else ffi.NULL  # noqa: E731
+    args = (ptr(xc), ptr(sc), ptr(sh), ptr(y), ptr(mean), ptr(rstd))
+    threads = torch.get_num_threads() if x.numel() >= PARALLEL_MIN else 1
+    _in_threads(lambda r0, r1: fn(*args, r0, r1, D, T, float(eps)), _split(B * T, threads))
+    return y, mean, rstd
+
+
+@_ln_mod.register_fake
+def _(x, scale, shift, eps):
+    B, T, D = x.shape
+    return torch.empty_like(x), x.new_empty(B * T), x.new_empty(B * T)
+
+
+@torch.library.custom_op("autohc::layernorm_modulate_backward", mutates_args=())
+def _ln_mod_bwd(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None,
+                mean: torch.Tensor, rstd: torch.Tensor, want_scale: bool,
+                want_shift: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, T, D = x.shape
+    if not all(_fast(t) for t in (dy, x)) or (scale is not None and not _fast(scale)):
+        # other dtypes: the same formula as the kernel, in torch ops (no autograd in here)
+        xhat = (x - mean.reshape(B, T, 1)) * rstd.reshape(B, T, 1)
+        g = dy * (1 + scale[:, None, :]) if scale is not None else dy
+        dx = rstd.reshape(B, T, 1) * (g - g.mean(-1, keepdim=True)
+                                      - xhat * (g * xhat).mean(-1, keepdim=True))
+        dsc = (dy * xhat).sum(1) if want_scale else x.new_zeros(0)
+        dsh = dy.sum(1) if want_shift else x.new_zeros(0)
+        return dx, dsc, dsh
+    p = default_eltwise()
+    lib = library(p)
+    ffi, fn = lib.ffi, getattr(lib.lib, f"{p.symbol}_ln_mod_bwd")
+    dyc, xc = dy.contiguous(), x.contiguous()
+    sc = scale.contiguous() if scale is not None else None
+    dx = torch.empty_like(xc)
+    dscale = torch.empty(B, D) if want_scale else x.new_zeros(0)
+    dshift = torch.empty(B, D) if want_shift else x.new_zeros(0)
+    ptr = lambda t: ffi.cast("float *", t.data_ptr()) if t is not None and t.numel() else ffi.NULL  # noqa: E731
+    args = (ptr(dyc), ptr(xc), ptr(sc), ptr(mean.contiguous()), ptr(rstd.contiguous()), ptr(dx),
+            ptr(dscale), ptr(dshift))
+    threads = torch.get_num_threads() if x.numel() >= PARALLEL_MIN else 1
+    _in_threads(lambda b0, b1: fn(*args, b0, b1, D, T), _split(B, threads))
+    return dx, dscale, dshift
+
+
+@_ln_mod_bwd.register_fake
+def _(dy, x, scale, mean, rstd, want_scale, want_shift):
+    B, T, D = x.shape
+    return (torch.empty_like(x), x.new_empty((B, D) if want_scale else (0,)),
+            x.new_empty((B, D) if want_shift else (0,)))
+
+
+def _ln_setup(ctx, inputs, output):
+    x, scale, shift, eps = inputs
+    ctx.save_for_backward(x, scale, output[1], output[2])
+    ctx.has_scale, ctx.has_shift = scale is not None, shift is not None
+
+
+def _ln_backward(ctx, gy, gmean, grstd):
+    x, scale, mean, rstd = ctx.saved_tensors
+    dx, dsc, dsh = _ln_mod_bwd(gy, x, scale, mean, rstd, ctx.has_scale, ctx.has_shift)
+    return dx, (dsc if ctx.has_scale else None), (dsh if ctx.has_shift else None), None
+
+
+_ln_mod.register_autograd(_ln_backward, setup_context=_ln_setup)
+
+
+def layernorm_modulate(x: torch.Tensor, scale: torch.Tensor | None = None,
+                       shift: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """DiT's `modulate(norm(x), shift, scale)` in one pass: LayerNorm over the last dim without
+    affine (eps 1e-6 as DiT), then x̂ (1 + scale) + shift with scale, shift per sample
+    (B x D), broadcast over the T tokens. x: (B, T, D)."""
+    if x.dim() != 3:
+        raise ValueError(f"layernorm_modulate: x must be (B, T, D), got shape {tuple(x.shape)}")
+    B, T, D = x.shape
+    for name, t in (("scale", scale), ("shift", shift)):
+        if t is not None and tuple(t.shape) != (B, D):
+            raise ValueError(f"layernorm_modulate: {name} must be (B, D) = {(B, D)}, got {tuple(t.shape)}")
+    return _ln_mod(x, scale, shift, float(eps))[0]
 
 
 # ------------------------------------------------- aten CPU kernels for autohc.install()

@@ -132,3 +132,67 @@ def test_install_routes_torch_gelu_and_silu():
         assert torch.equal(F.gelu(z), F.gelu(z.clone()))
         zd = z.double()
         assert torch.equal(F.silu(zd), torch.ops.aten.silu.out(zd, out=torch.empty(0, dtype=torch.float64)))
+
+
+# ------------------------------------------------------------ LayerNorm + adaLN modulate
+
+def _ln_check(B, T, D, with_scale=True, with_shift=True, seed=0):
+    torch.manual_seed(seed)
+    x = (torch.randn(B, T, D) * 3 + 1).requires_grad_()
+    sc = (torch.randn(B, D) * 0.2).requires_grad_() if with_scale else None
+    sh = torch.randn(B, D).requires_grad_() if with_shift else None
+    y = ops.layernorm_modulate(x, sc, sh)
+    g = torch.randn_like(y)
+    (y * g).sum().backward()
+    ref_in = [t.detach().double().requires_grad_() if t is not None else None for t in (x, sc, sh)]
+    yr = ops._ln_reference(*ref_in, 1e-6)
+    (yr * g.double()).sum().backward()
+    assert (y.double() - yr).abs().max() <= 1e-5 * (1 + yr.abs().max())
+    for a, b in zip((x, sc, sh), ref_in):
+        if a is not None:
+            assert (a.grad.double() - b.grad).abs().max() <= 1e-4 * (1 + b.grad.abs().max()) * max(1, T) ** 0.5
+
+
+@pytest.mark.parametrize("B, T, D", [(1, 1, 1), (2, 5, 7), (3, 17, 33), (2, 3, 16), (4, 64, 385)])
+def test_layernorm_modulate_forward_backward(B, T, D):
+    _ln_check(B, T, D)
+
+
+@pytest.mark.parametrize("with_scale, with_shift", [(False, False), (True, False), (False, True)])
+def test_layernorm_modulate_optional_inputs(with_scale, with_shift):
+    _ln_check(2, 9, 40, with_scale, with_shift, seed=3)
+
+
+def test_layernorm_modulate_dit_size_multithreaded():
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        _ln_check(8, 256, 1152, seed=5)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_layernorm_modulate_gradcheck_float64_and_bad_shapes():
+    x = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
+    sc = torch.randn(2, 5, dtype=torch.float64, requires_grad=True)
+    sh = torch.randn(2, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b, c: ops.layernorm_modulate(a, b, c), (x, sc, sh))
+    with pytest.raises(ValueError, match="B, T, D"):
+        ops.layernorm_modulate(torch.randn(3, 4))
+    with pytest.raises(ValueError, match="scale must be"):
+        ops.layernorm_modulate(torch.randn(2, 3, 4), torch.randn(3, 4))
+
+
+def test_layernorm_modulate_nan_stays_in_its_row():
+    x = torch.randn(2, 4, 16)
+    x[1, 2, 5] = float("nan")
+    y = ops.layernorm_modulate(x, torch.zeros(2, 16), torch.zeros(2, 16))
+    assert torch.isnan(y[1, 2]).all()
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    mask[1, 2] = False
+    assert torch.isfinite(y[mask]).all()
+
+
+def test_layernorm_modulate_opcheck():
+    x, sc, sh = torch.randn(2, 5, 24), torch.randn(2, 24), torch.randn(2, 24)
+    torch.library.opcheck(torch.ops.autohc.layernorm_modulate.default, (x, sc, sh, 1e-6))
