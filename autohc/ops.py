@@ -66,8 +66,12 @@ def library(params: EltwiseParams):
              "int64_t T, float eps);\n"
              f"void {p.symbol}_ln_mod_bwd(const float *dy, const float *x, const float *scale, "
              "const float *mean, const float *rstd, float *dx, float *dscale, float *dshift, "
-             "int64_t b0, int64_t b1, int64_t D, int64_t T);\n")
-    lib = build(src, cdef, ISAS[p.isa].cflags, meta={"op": "eltwise", "params": asdict(p)})
+             "int64_t b0, int64_t b1, int64_t D, int64_t T);\n"
+             f"void {p.symbol}_adamw(float *p, const float *g, float *m, float *v, int64_t n, "
+             "float lr, float b1, float b2, float eps, float wd, float bc1, float bc2);\n")
+    # -fno-math-errno: sqrt becomes one vector instruction (the AdamW moments are never < 0)
+    lib = build(src, cdef, (*ISAS[p.isa].cflags, "-fno-math-errno"),
+                meta={"op": "eltwise", "params": asdict(p)})
     return lib
 
 

@@ -1,0 +1,81 @@
+"""`autohc.optim.AdamW`: torch.optim.AdamW with a fused, generated step kernel.
+
+One pass per tensor reads the parameter, gradient and both moments once and writes them once
+(templates/ops/eltwise.c.j2 `adamw`), split over torch.get_num_threads() threads. Same
+hyper-parameters and state (`step`, `exp_avg`, `exp_avg_sq`) as torch.optim.AdamW, so
+state_dicts move between the two. Tensors the kernel does not take (not float32, not
+contiguous, not CPU) get torch's own AdamW update, unchanged.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import ops
+
+
+class AdamW(torch.optim.Optimizer):
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, amsgrad: bool = False, maximize: bool = False):
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"Invalid beta parameters: {betas}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if amsgrad or maximize:
+            raise ValueError("autohc.optim.AdamW: amsgrad and maximize are not supported; "
+                             "use torch.optim.AdamW for them")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            slow = []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("autohc.optim.AdamW does not support sparse gradients")
+                st = self.state[p]
+                if not st:
+                    st["step"] = torch.tensor(0.0)
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["step"] += 1
+                t = float(st["step"])
+                tensors = (p, p.grad, st["exp_avg"], st["exp_avg_sq"])
+                if all(x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous()
+                       for x in tensors) and p.numel() > 0:
+                    _fused_step(*tensors, lr, b1, b2, eps, wd, 1 - b1 ** t, 1 - b2 ** t)
+                else:
+                    slow.append(p)
+            if slow:                    # torch's own single-tensor AdamW for the rest
+                from torch.optim.adamw import adamw as torch_adamw
+                torch_adamw([p for p in slow], [p.grad for p in slow],
+                            [self.state[p]["exp_avg"] for p in slow],
+                            [self.state[p]["exp_avg_sq"] for p in slow], [],
+                            [self.state[p]["step"] - 1 for p in slow], foreach=False,
+                            amsgrad=False, beta1=b1, beta2=b2, lr=lr, weight_decay=wd, eps=eps,
+                            maximize=False)
+        return loss
+
+
+def _fused_step(p, g, m, v, lr, b1, b2, eps, wd, bc1, bc2):
+    prm = ops.default_eltwise()
+    lib = ops.library(prm)
+    ffi, fn = lib.ffi, getattr(lib.lib, f"{prm.symbol}_adamw")
+    ptrs = [ffi.cast("float *", t.data_ptr()) for t in (p, g, m, v)]
+    n = p.numel()
+    threads = torch.get_num_threads() if n >= ops.PARALLEL_MIN else 1
+    chunks = ops._split(n, threads)
+
+    def run(a, b):
+        fn(ptrs[0] + a, ptrs[1] + a, ptrs[2] + a, ptrs[3] + a, b - a, lr, b1, b2, eps, wd, bc1, bc2)
+    ops._in_threads(run, chunks)

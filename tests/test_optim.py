@@ -1,0 +1,85 @@
+"""autohc.optim.AdamW against torch.optim.AdamW. Stated tolerance: the two differ by float32
+rounding order only, at most 3e-7 (about 2 ulp of a unit-size parameter) per step."""
+import copy
+
+import pytest
+import torch
+
+import autohc.optim as O
+
+
+def _pair(wd, lr=1e-2):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(37, 129), torch.nn.GELU(), torch.nn.Linear(129, 5))
+    ref = copy.deepcopy(model)
+    return model, ref, O.AdamW(model.parameters(), lr=lr, weight_decay=wd), \
+        torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=wd)
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_one_step_matches_torch_exactly_enough(wd):
+    model, ref, o1, o2 = _pair(wd)
+    x = torch.randn(16, 37)
+    for m, o in ((model, o1), (ref, o2)):
+        o.zero_grad()
+        m(x).square().mean().backward()
+    # same gradients in both
+    for a, b in zip(model.parameters(), ref.parameters()):
+        b.grad = a.grad.clone()
+    for step in range(5):                 # several steps on the same gradients
+        o1.step()
+        o2.step()
+        for a, b in zip(model.parameters(), ref.parameters()):
+            assert (a - b).abs().max().item() <= 3e-7 * (step + 1) * max(1.0, b.abs().max().item()), step
+
+
+def test_training_trajectory_and_state_dict():
+    model, ref, o1, o2 = _pair(0.05)
+    for _ in range(20):
+        x = torch.randn(16, 37)
+        for m, o in ((model, o1), (ref, o2)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    assert max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters())) < 1e-4
+    sd = o1.state_dict()                  # same state layout as torch's: loads into torch's
+    o3 = torch.optim.AdamW(copy.deepcopy(model).parameters(), lr=1e-2, weight_decay=0.05)
+    o3.load_state_dict(sd)
+    assert float(o3.state_dict()["state"][0]["step"]) == 20
+
+
+def test_large_ragged_tensor_multithreaded_and_fallbacks():
+    torch.manual_seed(1)
+    n = 200_003
+    p1 = torch.nn.Parameter(torch.randn(n))
+    p2 = torch.nn.Parameter(p1.detach().clone())
+    pd1 = torch.nn.Parameter(torch.randn(7, dtype=torch.float64))        # fallback: float64
+    pd2 = torch.nn.Parameter(pd1.detach().clone())
+    nc1 = torch.nn.Parameter(torch.randn(10, 12).t())                     # fallback: not contiguous
+    nc2 = torch.nn.Parameter(nc1.detach().clone())
+    o1 = O.AdamW([p1, pd1, nc1], lr=1e-3)
+    o2 = torch.optim.AdamW([p2, pd2, nc2], lr=1e-3)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for _ in range(3):
+            g = torch.randn(n)
+            gd = torch.randn(7, dtype=torch.float64)
+            gn = torch.randn(12, 10)
+            p1.grad, p2.grad = g.clone(), g.clone()
+            pd1.grad, pd2.grad = gd.clone(), gd.clone()
+            nc1.grad, nc2.grad = gn.clone(), gn.clone()
+            o1.step()
+            o2.step()
+    finally:
+        torch.set_num_threads(old)
+    assert (p1 - p2).abs().max().item() <= 3e-7 * 3 * max(1.0, p2.abs().max().item())
+    assert torch.allclose(pd1, pd2) and torch.allclose(nc1, nc2)
+
+
+def test_rejects_what_it_does_not_do():
+    p = [torch.nn.Parameter(torch.randn(3))]
+    with pytest.raises(ValueError, match="amsgrad"):
+        O.AdamW(p, amsgrad=True)
+    with pytest.raises(ValueError, match="learning rate"):
+        O.AdamW(p, lr=-1)
