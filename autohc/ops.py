@@ -68,7 +68,12 @@ def library(params: EltwiseParams):
              "const float *mean, const float *rstd, float *dx, float *dscale, float *dshift, "
              "int64_t b0, int64_t b1, int64_t D, int64_t T);\n"
              f"void {p.symbol}_adamw(float *p, const float *g, float *m, float *v, int64_t n, "
-             "float lr, float b1, float b2, float eps, float wd, float bc1, float bc2);\n")
+             "float lr, float b1, float b2, float eps, float wd, float bc1, float bc2);\n"
+             f"void {p.symbol}_gated_residual(const float *x, const float *y, const float *gate, "
+             "float *out, int64_t r0, int64_t r1, int64_t D, int64_t T);\n"
+             f"void {p.symbol}_softmax_fwd(const float *x, float *y, int64_t r0, int64_t r1, int64_t D);\n"
+             f"void {p.symbol}_softmax_bwd(const float *g, const float *y, float *dx, int64_t r0, "
+             "int64_t r1, int64_t D);\n")
     # -fno-math-errno: sqrt becomes one vector instruction (the AdamW moments are never < 0)
     lib = build(src, cdef, (*ISAS[p.isa].cflags, "-fno-math-errno"),
                 meta={"op": "eltwise", "params": asdict(p)})
@@ -279,6 +284,76 @@ def layernorm_modulate(x: torch.Tensor, scale: torch.Tensor | None = None,
     return _ln_mod(x, scale, shift, float(eps))[0]
 
 
+# ------------------------------------------------------------ softmax, gated residual
+
+def _rows_call(name: str, *tensors, extra=(), out_like=None):
+    """Run a row kernel `name(*ptrs, out, r0, r1, *extra)` over all rows, split over threads."""
+    p = default_eltwise()
+    lib = library(p)
+    ffi, fn = lib.ffi, getattr(lib.lib, f"{p.symbol}_{name}")
+    ins = [t.contiguous() for t in tensors]
+    out = torch.empty_like(out_like if out_like is not None else ins[0],
+                           memory_format=torch.contiguous_format)
+    rows = out.numel() // out.shape[-1] if out.dim() else 1
+    ptrs = [ffi.cast("float *", t.data_ptr()) for t in ins] + [ffi.cast("float *", out.data_ptr())]
+    threads = torch.get_num_threads() if out.numel() >= PARALLEL_MIN else 1
+    _in_threads(lambda r0, r1: fn(*ptrs, r0, r1, *extra), _split(rows, threads))
+    return out
+
+
+@torch.library.custom_op("autohc::softmax", mutates_args=())
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dimension (as torch.softmax(x, -1))."""
+    if _fast(x) and x.dim() > 0 and x.numel() > 0:
+        return _rows_call("softmax_fwd", x, extra=(x.shape[-1],))
+    return torch.softmax(x, -1)
+
+
+@torch.library.custom_op("autohc::softmax_backward", mutates_args=())
+def softmax_backward(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if _fast(grad, y) and y.dim() > 0 and y.numel() > 0:
+        return _rows_call("softmax_bwd", grad, y, extra=(y.shape[-1],))
+    return y * (grad - (grad * y).sum(-1, keepdim=True))
+
+
+softmax.register_fake(lambda x: torch.empty_like(x, memory_format=torch.contiguous_format))
+softmax_backward.register_fake(lambda g, y: torch.empty_like(y, memory_format=torch.contiguous_format))
+softmax.register_autograd(lambda ctx, g: softmax_backward(g, ctx.saved_tensors[0]),
+                          setup_context=lambda ctx, inputs, output: ctx.save_for_backward(output))
+
+
+@torch.library.custom_op("autohc::gated_residual", mutates_args=())
+def _gated(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    B, T, D = x.shape
+    if _fast(x, y) and _fast(gate) and x.numel() > 0:
+        return _rows_call("gated_residual", x, y, gate, extra=(D, T), out_like=x)
+    return x + gate[:, None, :] * y
+
+
+_gated.register_fake(lambda x, y, gate: torch.empty_like(x, memory_format=torch.contiguous_format))
+
+
+def _gated_setup(ctx, inputs, output):
+    x, y, gate = inputs
+    ctx.save_for_backward(y, gate)
+
+
+def _gated_backward(ctx, g):
+    y, gate = ctx.saved_tensors
+    return g, g * gate[:, None, :], (g * y).sum(1)
+
+
+_gated.register_autograd(_gated_backward, setup_context=_gated_setup)
+
+
+def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """DiT's `x + gate.unsqueeze(1) * y` in one pass; x, y: (B, T, D), gate: (B, D)."""
+    if x.dim() != 3 or y.shape != x.shape or tuple(gate.shape) != (x.shape[0], x.shape[2]):
+        raise ValueError(f"gated_residual: x, y must be (B, T, D) and gate (B, D); got "
+                         f"{tuple(x.shape)}, {tuple(y.shape)}, {tuple(gate.shape)}")
+    return _gated(x, y, gate)
+
+
 # ------------------------------------------------- aten CPU kernels for autohc.install()
 
 def _dense(*ts: torch.Tensor) -> bool:
@@ -311,8 +386,23 @@ def aten_silu_backward(grad, x):
     return torch.ops.aten.silu_backward.grad_input(grad, x, grad_input=x.new_empty(0))
 
 
+def aten_softmax(x, dim, half_to_float):
+    if not half_to_float and x.dim() > 0 and dim in (-1, x.dim() - 1) and _dense(x):
+        return _rows_call("softmax_fwd", x, extra=(x.shape[-1],))
+    return torch.ops.aten._softmax.out(x, dim, half_to_float, out=x.new_empty(0))
+
+
+def aten_softmax_backward(grad, out, dim, input_dtype):
+    if input_dtype == torch.float32 and out.dim() > 0 and dim in (-1, out.dim() - 1) \
+            and _dense(grad, out):
+        return _rows_call("softmax_bwd", grad, out, extra=(out.shape[-1],))
+    return torch.ops.aten._softmax_backward_data.out(grad, out, dim, input_dtype,
+                                                     grad_input=grad.new_empty(0))
+
+
 ATEN_IMPLS = {"gelu": aten_gelu, "gelu_backward": aten_gelu_backward,
-              "silu": aten_silu, "silu_backward": aten_silu_backward}
+              "silu": aten_silu, "silu_backward": aten_silu_backward,
+              "_softmax": aten_softmax, "_softmax_backward_data": aten_softmax_backward}
 
 if os.environ.get("AUTOHC_EAGER_BUILD"):     # compile at import (e.g. before forking workers)
     library(default_eltwise())

@@ -196,3 +196,67 @@ def test_layernorm_modulate_nan_stays_in_its_row():
 def test_layernorm_modulate_opcheck():
     x, sc, sh = torch.randn(2, 5, 24), torch.randn(2, 24), torch.randn(2, 24)
     torch.library.opcheck(torch.ops.autohc.layernorm_modulate.default, (x, sc, sh, 1e-6))
+
+
+# ------------------------------------------------------------ softmax, gated residual
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 1), (2, 7), (4, 33), (2, 3, 130)])
+def test_softmax_forward_backward(shape):
+    torch.manual_seed(len(shape))
+    x = (torch.randn(*shape) * 5).requires_grad_()
+    y = ops.softmax(x)
+    g = torch.randn(*shape)
+    (y * g).sum().backward()
+    xr = x.detach().double().requires_grad_()
+    yr = torch.softmax(xr, -1)
+    (yr * g.double()).sum().backward()
+    assert (y.double() - yr).abs().max() <= 1e-6
+    assert (x.grad.double() - xr.grad).abs().max() <= 5e-6 * (1 + g.abs().max())
+
+
+def test_softmax_masks_nan_and_inf_as_torch():
+    x = torch.tensor([[0., float("-inf"), 1.], [float("nan"), 1., 2.], [float("-inf"), float("-inf"), 0.],
+                      [1e30, 0., -1e30], [float("-inf")] * 3])
+    got, ref = ops.softmax(x), torch.softmax(x, -1)
+    assert torch.equal(torch.isnan(got), torch.isnan(ref))
+    fin = ~torch.isnan(ref)
+    assert torch.allclose(got[fin], ref[fin], atol=1e-7)
+
+
+def test_softmax_opcheck_and_install_routes_it():
+    torch.library.opcheck(torch.ops.autohc.softmax.default, (torch.randn(4, 40),))
+    calls = []
+    real = ops._rows_call
+    ops._rows_call = lambda name, *a, **k: calls.append(name) or real(name, *a, **k)
+    try:
+        x = torch.randn(2, 4, 50, requires_grad=True)
+        w = torch.randn(2, 4, 50)
+        with autohc.installed():
+            y = torch.softmax(x, -1)
+            (y * w).sum().backward()
+            torch.softmax(torch.randn(5, 6), 0)      # not the last dim: ATen
+    finally:
+        ops._rows_call = real
+    assert calls == ["softmax_fwd", "softmax_bwd"]
+    xr = x.detach().double().requires_grad_()
+    (torch.softmax(xr, -1) * w.double()).sum().backward()
+    assert torch.allclose(x.grad.double(), xr.grad, atol=1e-5)
+
+
+def test_gated_residual_forward_backward_and_bad_shapes():
+    torch.manual_seed(7)
+    x, y = torch.randn(3, 5, 37, requires_grad=True), torch.randn(3, 5, 37, requires_grad=True)
+    gate = torch.randn(3, 37, requires_grad=True)
+    out = ops.gated_residual(x, y, gate)
+    g = torch.randn_like(out)
+    (out * g).sum().backward()
+    refs = [t.detach().double().requires_grad_() for t in (x, y, gate)]
+    ref = refs[0] + refs[2][:, None, :] * refs[1]
+    (ref * g.double()).sum().backward()
+    assert (out.double() - ref).abs().max() <= 1e-6
+    for a, b in zip((x, y, gate), refs):
+        assert (a.grad.double() - b.grad).abs().max() <= 1e-5
+    torch.library.opcheck(torch.ops.autohc.gated_residual.default,
+                          (torch.randn(2, 3, 8), torch.randn(2, 3, 8), torch.randn(2, 8)))
+    with pytest.raises(ValueError, match="gated_residual"):
+        ops.gated_residual(torch.randn(2, 3, 4), torch.randn(2, 3, 4), torch.randn(3, 4))
