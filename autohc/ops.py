@@ -85,6 +85,18 @@ def _pool(n: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=n, thread_name_prefix="autohc-ew")
 
 
+def _split(n: int, parts: int) -> list[tuple[int, int]]:
+    return [(n * i // parts, n * (i + 1) // parts) for i in range(parts) if n * i // parts < n * (i + 1) // parts]
+
+
+def _in_threads(fn, ranges):
+    if len(ranges) == 1:
+        fn(*ranges[0])
+        return
+    for j in [_pool(len(ranges)).submit(fn, a, b) for a, b in ranges]:
+        j.result()
+
+
 def _run(name: str, *tensors: torch.Tensor, params: EltwiseParams | None = None) -> torch.Tensor:
     """out = f(*tensors) on contiguous float32 CPU tensors of one shape."""
     p = params or default_eltwise()
@@ -96,18 +108,11 @@ def _run(name: str, *tensors: torch.Tensor, params: EltwiseParams | None = None)
     n = out.numel()
     ptrs = [ffi.cast("float *", t.data_ptr()) for t in ins]
     optr = ffi.cast("float *", out.data_ptr())
-    threads = torch.get_num_threads()
-    if n < PARALLEL_MIN or threads == 1:
-        fn(*ptrs, optr, n)
-        return out
-    chunk = -(-n // threads)
-    chunk = -(-chunk // 64) * 64            # whole cache lines per thread
-    jobs = []
-    for s in range(0, n, chunk):
-        m = min(chunk, n - s)
-        jobs.append(_pool(threads).submit(fn, *[q + s for q in ptrs], optr + s, m))
-    for j in jobs:
-        j.result()
+    threads = torch.get_num_threads() if n >= PARALLEL_MIN else 1
+    # whole cache lines (64 floats) per thread
+    bounds = [min(n, -(-n * i // threads // 64) * 64) for i in range(threads + 1)]
+    _in_threads(lambda a, b: fn(*[q + a for q in ptrs], optr + a, b - a),
+                [(a, b) for a, b in zip(bounds, bounds[1:]) if a < b])
     return out
 
 
@@ -165,18 +170,6 @@ silu.register_autograd(lambda ctx, g: silu_backward(g, ctx.saved_tensors[0]),
 
 
 # ------------------------------------------- LayerNorm (no affine) + adaLN modulate, fused
-
-def _split(n: int, parts: int) -> list[tuple[int, int]]:
-    return [(n * i // parts, n * (i + 1) // parts) for i in range(parts) if n * i // parts < n * (i + 1) // parts]
-
-
-def _in_threads(fn, ranges):
-    if len(ranges) == 1:
-        fn(*ranges[0])
-        return
-    for j in [_pool(len(ranges)).submit(fn, a, b) for a, b in ranges]:
-        j.result()
-
 
 def _ln_reference(x, scale, shift, eps):
     y = torch.nn.functional.layer_norm(x, (x.shape[-1],), eps=eps)
