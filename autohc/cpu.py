@@ -49,7 +49,7 @@ class CpuInfo:
                 return c.size_bytes
         return None
 
-    @property
+    @functools.cached_property          # computed once: it is read on every GEMM call
     def fingerprint(self) -> str:
         """Stable id of the CPU model + what matters for kernels (ISA, cores, caches)."""
         isa = sorted(f for f in self.flags if f in _ISA_FLAGS)

@@ -24,7 +24,7 @@ from .codegen import GemmParams, ParamError
 
 VERSION = 1
 _lock = threading.Lock()
-_memo: dict = {"path": None, "mtime": None, "data": None}
+_memo: dict = {"path": None, "mtime": None, "data": None, "lookups": {}}
 
 
 def registry_path() -> Path:
@@ -78,7 +78,7 @@ def load() -> dict:
         mtime = None
     with _lock:
         if _memo["path"] != path or _memo["mtime"] != mtime:
-            _memo.update(path=path, mtime=mtime, data=_read(path) if mtime else {})
+            _memo.update(path=path, mtime=mtime, data=_read(path) if mtime else {}, lookups={})
         return _memo["data"]
 
 
@@ -101,10 +101,18 @@ def _valid(entry: dict, fingerprint: str) -> GemmParams | None:
 
 def lookup(op: str, layout: str, K: int, N: int, M: int, threads: int,
            exact: bool = False) -> tuple[GemmParams, dict] | None:
-    """Tuned params for this problem on this CPU: the exact M bucket, else the nearest one."""
-    fp = cpu.detect().fingerprint
-    entries = load().get(fp, {})
-    want = m_bucket(M)
+    """Tuned params for this problem on this CPU: the exact M bucket, else the nearest one.
+    Answers are memoised until the registry file changes (this runs on every GEMM call)."""
+    entries = load().get(cpu.detect().fingerprint, {})
+    key = (op, layout, K, N, m_bucket(M), threads, exact)
+    lookups = _memo["lookups"]
+    if key not in lookups:
+        lookups[key] = _lookup(entries, *key)
+    return lookups[key]
+
+
+def _lookup(entries: dict, op: str, layout: str, K: int, N: int, want: int, threads: int,
+            exact: bool) -> tuple[GemmParams, dict] | None:
     prefix = f"{op}/{layout}/K{K}/N{N}/M"
     candidates = []
     for key, entry in entries.items():
@@ -116,7 +124,7 @@ def lookup(op: str, layout: str, K: int, N: int, M: int, threads: int,
     dist, b, key = min(candidates)
     if exact and b != want:
         return None
-    params = _valid(entries[key], fp)
+    params = _valid(entries[key], cpu.detect().fingerprint)
     return (params, entries[key]) if params else None
 
 
