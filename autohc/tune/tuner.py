@@ -79,17 +79,13 @@ class Verifier:
         for _ in range(6):
             m, k, n = (self.rng.choice([1, 2, 3, 7, 13, params.mr + 1, params.nr + 1,
                                         params.kc + 1, 61]) for _ in range(3))
-            a, b = GemmProblem("ragged", self.problem.layout, *_linear(self.problem.layout, m, k, n)).operands()
+            a, b = GemmProblem("ragged", self.problem.layout,
+                               *registry.linear_dims(self.problem.layout, m, k, n)).operands()
             out = matmul(a, b, params=params)
             ref = a.double() @ b.double()
             bound = 2.0 * (a.shape[1] + 4) * U32 * (a.double().abs() @ b.double().abs()) + 1e-30
             if not ((out.double() - ref).abs() <= bound).all():
                 raise WrongResult(f"wrong result on ragged shape m={m} k={k} n={n}")
-
-
-def _linear(layout: str, m: int, k: int, n: int) -> tuple[int, int, int]:
-    """(M, K, N) of the Linear whose `layout` GEMM is m x k x n."""
-    return registry.linear_dims(layout, m, k, n)
 
 
 def measure(problem: GemmProblem, params: GemmParams, threads: int, repeats: int = 4) -> tuple[float, float]:
