@@ -11,6 +11,8 @@ import os
 import sys
 from pathlib import Path
 
+from .argtypes import positive_int
+
 # torch's libgomp threads spin for milliseconds after each parallel region and OpenBLAS's for
 # ~2^28 cycles; interleaved with another library's threads they steal the cores. A fair
 # side-by-side benchmark makes every pool wait passively (read by the libraries at load).
@@ -24,6 +26,10 @@ EPILOG = """examples:
   autohc info
   autohc bench gemm --model dit-xl --threads 1 2
   autohc bench gemm --model dit-s --threads 2 --json > gemm.json
+  autohc train --data digits --steps 3000 --out runs/digits
+  autohc sample --ckpt runs/digits --classes 3 5 7 --out grid.png
+  autohc eval --ckpt runs/digits
+  autohc bench step --model DiT-S/2 --batch 8
 """
 
 
@@ -32,16 +38,6 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -78,12 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the Linear's in x out features, e.g. 1152x4608")
     what.add_argument("--model", choices=["dit-s", "dit-b", "dit-l", "dit-xl"],
                       help="every training GEMM of this DiT size (15 problems)")
-    tune.add_argument("--m", type=_positive_int, default=2048, help="rows (tokens), default 2048")
+    tune.add_argument("--m", type=positive_int, default=2048, help="rows (tokens), default 2048")
     tune.add_argument("--layout", choices=["NT", "NN", "TN", "all"], default="all",
                       help="NT forward, NN input grad, TN weight grad (default: all)")
-    tune.add_argument("--threads", type=_positive_int, default=None,
+    tune.add_argument("--threads", type=positive_int, default=None,
                       help="GEMM threads (default: every usable CPU)")
-    tune.add_argument("--trials", type=_positive_int, default=40,
+    tune.add_argument("--trials", type=positive_int, default=40,
                       help="trials per problem, counting earlier runs of its study (default 40)")
     tune.add_argument("--timeout", type=float, default=60.0,
                       help="seconds per problem (default 60); the trial in flight finishes")
@@ -125,11 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="example:\n  autohc bench gemm --model dit-xl --threads 1 2 --json")
     g.add_argument("--model", default="dit-xl", choices=["dit-s", "dit-b", "dit-l", "dit-xl"],
                    help="DiT size (default: dit-xl, hidden 1152)")
-    g.add_argument("--threads", type=_positive_int, nargs="+", default=[1],
+    g.add_argument("--threads", type=positive_int, nargs="+", default=[1],
                    help="thread counts to measure (default: 1)")
-    g.add_argument("--images", type=_positive_int, default=8,
+    g.add_argument("--images", type=positive_int, default=8,
                    help="images per batch: M = images x 256 (default: 8, i.e. M = 2048)")
-    g.add_argument("--repeats", type=_positive_int, default=7, help="timed repeats (default: 7)")
+    g.add_argument("--repeats", type=positive_int, default=7, help="timed repeats (default: 7)")
     g.add_argument("--json", action="store_true",
                    help="print JSON (one object per thread count) instead of tables")
     g.add_argument("--markdown", action="store_true", help="print Markdown tables (as in the README)")
@@ -148,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="allowed fall of a ratio, as a fraction (default 0.25)")
     gate.add_argument("--update", action="store_true", help="measure and rewrite this CPU's baseline")
     gate.add_argument("--contended", action="store_true", help=argparse.SUPPRESS)
+    from .dit.commands import add_parsers
+    add_parsers(sub, bsub)
     return ap
 
 
@@ -380,12 +378,13 @@ def markdown_table(r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "bench" and not getattr(args, "contended", True):
+    if args.command in ("train", "sample", "eval") or (
+            args.command == "bench" and not getattr(args, "contended", True)):
         missing = {k: v for k, v in PASSIVE_ENV.items() if os.environ.get(k) != v}
         if missing and argv is None:    # the thread libraries read these at load: re-exec
             os.execve(sys.executable, [sys.executable, "-m", "autohc.cli", *sys.argv[1:]],
                       {**os.environ, **missing})
-        elif missing:
+        elif missing and args.command == "bench":
             print("autohc: note: run from the command line for passive thread pools",
                   file=sys.stderr)
     try:
@@ -403,6 +402,11 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_bench_gemm(args)
         if args.command == "bench" and args.what == "gate":
             return cmd_gate(args)
+        if args.command in ("train", "sample", "eval") or getattr(args, "what", None) == "step":
+            from .dit import commands
+            run = {"train": commands.cmd_train, "sample": commands.cmd_sample,
+                   "eval": commands.cmd_eval}.get(args.command, commands.cmd_bench_step)
+            return run(args)
     except KeyboardInterrupt:
         print("autohc: interrupted", file=sys.stderr)
         return 130
@@ -410,7 +414,9 @@ def main(argv: list[str] | None = None) -> int:
         from .build import BuildError
         from .codegen import ParamError
         from .gemm import KernelError
-        if isinstance(e, (BuildError, ParamError, KernelError)):
+        from .dit.data import DataError
+        if isinstance(e, (BuildError, ParamError, KernelError, DataError)) or (
+                isinstance(e, ValueError) and args.command in ("train", "sample", "eval")):
             print(f"autohc: {e}", file=sys.stderr)
             return 1
         raise

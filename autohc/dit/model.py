@@ -1,0 +1,281 @@
+"""DiT (facebookresearch/DiT, Peebles & Xie 2023) with the reference's layers, names and init.
+
+Same modules and parameter names as the reference (`x_embedder.proj`, `t_embedder.mlp`,
+`y_embedder.embedding_table`, `blocks.N.{attn.qkv, attn.proj, mlp.fc1, mlp.fc2,
+adaLN_modulation.1}`, `final_layer`), so the parameter counts are the reference's exactly:
+DiT-S/2 32,963,360 and DiT-XL/2 675,129,632 at 256px (32x32x4 latents, learn_sigma=True).
+
+Where autohc is installed (`autohc.install()`), each block's LayerNorm + adaLN modulate and
+gated residual run as one fused kernel each (autohc.ops); otherwise plain torch, same results
+to float32 rounding.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from .. import override
+
+
+@dataclass(frozen=True)
+class DiTConfig:
+    depth: int
+    hidden: int
+    heads: int
+    patch: int
+
+
+# name -> (depth, hidden, heads); each comes with patch 2, 4 and 8 (the reference's table).
+# DiT-Ti is not in the reference: a 12 x 192 "tiny" size (as DeiT-Ti) for laptops and tests.
+SIZES = {"Ti": (12, 192, 3), "S": (12, 384, 6), "B": (12, 768, 12), "L": (24, 1024, 16),
+         "XL": (28, 1152, 16)}
+MODELS = {f"DiT-{s}/{p}": DiTConfig(d, h, n, p) for s, (d, h, n) in SIZES.items() for p in (2, 4, 8)}
+
+
+def config(name: str) -> DiTConfig:
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; one of {', '.join(MODELS)}") from None
+
+
+def modulate(x, shift, scale):
+    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+def _fused() -> bool:
+    return override.is_installed()
+
+
+def norm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """modulate(LayerNorm(x) without affine, eps 1e-6) — fused kernel when autohc is installed."""
+    if _fused():
+        from ..ops import layernorm_modulate
+        return layernorm_modulate(x, scale, shift, 1e-6)
+    return modulate(F.layer_norm(x, x.shape[-1:], eps=1e-6), shift, scale)
+
+
+def gated_add(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    if _fused():
+        from ..ops import gated_residual
+        return gated_residual(x, y, gate)
+    return x + gate.unsqueeze(1) * y
+
+
+class PatchEmbed(nn.Module):
+    """timm's PatchEmbed as DiT uses it: a stride-p conv, flattened to (B, T, D)."""
+
+    def __init__(self, img_size: int, patch: int, in_chans: int, dim: int):
+        super().__init__()
+        if img_size % patch:
+            raise ValueError(f"image size {img_size} is not a multiple of the patch size {patch}")
+        self.grid = img_size // patch
+        self.num_patches = self.grid ** 2
+        self.proj = nn.Conv2d(in_chans, dim, kernel_size=patch, stride=patch, bias=True)
+
+    def forward(self, x):
+        return self.proj(x).flatten(2).transpose(1, 2)
+
+
+class TimestepEmbedder(nn.Module):
+    def __init__(self, dim: int, freq_dim: int = 256):
+        super().__init__()
+        self.freq_dim = freq_dim
+        self.mlp = nn.Sequential(nn.Linear(freq_dim, dim, bias=True), nn.SiLU(), nn.Linear(dim, dim, bias=True))
+
+    @staticmethod
+    def timestep_embedding(t, dim, max_period=10000):
+        half = dim // 2
+        freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32) / half)
+        args = t[:, None].float() * freqs[None]
+        emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+        if dim % 2:
+            emb = torch.cat([emb, torch.zeros_like(emb[:, :1])], dim=-1)
+        return emb
+
+    def forward(self, t):
+        return self.mlp(self.timestep_embedding(t, self.freq_dim))
+
+
+class LabelEmbedder(nn.Module):
+    """Class embedding with one extra 'null' class; labels are dropped (-> null) with
+    probability dropout_prob in training, for classifier-free guidance."""
+
+    def __init__(self, num_classes: int, dim: int, dropout_prob: float):
+        super().__init__()
+        self.embedding_table = nn.Embedding(num_classes + int(dropout_prob > 0), dim)
+        self.num_classes = num_classes
+        self.dropout_prob = dropout_prob
+
+    def forward(self, labels, train: bool):
+        if train and self.dropout_prob > 0:
+            drop = torch.rand(labels.shape[0]) < self.dropout_prob
+            labels = torch.where(drop, self.num_classes, labels)
+        return self.embedding_table(labels)
+
+
+class Attention(nn.Module):
+    """timm's Attention (qkv bias, no qk-norm): explicit bmm + softmax so that autohc's GEMM
+    and softmax kernels serve it when installed."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        if dim % heads:
+            raise ValueError(f"hidden size {dim} is not a multiple of the head count {heads}")
+        self.heads = heads
+        self.scale = (dim // heads) ** -0.5
+        self.qkv = nn.Linear(dim, dim * 3, bias=True)
+        self.proj = nn.Linear(dim, dim, bias=True)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        qkv = self.qkv(x).reshape(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        attn = (q * self.scale) @ k.transpose(-2, -1)
+        attn = attn.softmax(dim=-1)
+        x = (attn @ v).transpose(1, 2).reshape(B, T, D)
+        return self.proj(x)
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden, bias=True)
+        self.fc2 = nn.Linear(hidden, dim, bias=True)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class DiTBlock(nn.Module):
+    """adaLN-Zero block. norm1/norm2 (LayerNorm, no affine, eps 1e-6) hold no parameters; they
+    are fused with the modulate (norm_modulate)."""
+
+    def __init__(self, dim: int, heads: int, mlp_ratio: float = 4.0):
+        super().__init__()
+        self.attn = Attention(dim, heads)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio))
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim, bias=True))
+
+    def forward(self, x, c):
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
+        x = gated_add(x, self.attn(norm_modulate(x, shift_msa, scale_msa)), gate_msa)
+        x = gated_add(x, self.mlp(norm_modulate(x, shift_mlp, scale_mlp)), gate_mlp)
+        return x
+
+
+class FinalLayer(nn.Module):
+    def __init__(self, dim: int, patch: int, out_channels: int):
+        super().__init__()
+        self.linear = nn.Linear(dim, patch * patch * out_channels, bias=True)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 2 * dim, bias=True))
+
+    def forward(self, x, c):
+        shift, scale = self.adaLN_modulation(c).chunk(2, dim=1)
+        return self.linear(norm_modulate(x, shift, scale))
+
+
+class DiT(nn.Module):
+    def __init__(self, input_size: int = 32, patch_size: int = 2, in_channels: int = 4,
+                 hidden_size: int = 1152, depth: int = 28, num_heads: int = 16,
+                 mlp_ratio: float = 4.0, class_dropout_prob: float = 0.1,
+                 num_classes: int = 1000, learn_sigma: bool = True):
+        super().__init__()
+        for name, v in (("input_size", input_size), ("patch_size", patch_size),
+                        ("in_channels", in_channels), ("hidden_size", hidden_size),
+                        ("depth", depth), ("num_heads", num_heads), ("num_classes", num_classes)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"DiT: {name} must be a positive int, got {v!r}")
+        self.learn_sigma = learn_sigma
+        self.in_channels = in_channels
+        self.out_channels = in_channels * 2 if learn_sigma else in_channels
+        self.patch_size = patch_size
+        self.input_size = input_size
+        self.num_classes = num_classes
+        self.x_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size)
+        self.t_embedder = TimestepEmbedder(hidden_size)
+        self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob)
+        # frozen 2-D sin-cos position embedding (a parameter without grad, as the reference)
+        self.pos_embed = nn.Parameter(torch.zeros(1, self.x_embedder.num_patches, hidden_size), requires_grad=False)
+        self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio) for _ in range(depth)])
+        self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
+        self.initialize_weights()
+
+    @classmethod
+    def from_name(cls, name: str, **kw) -> "DiT":
+        c = config(name)
+        return cls(patch_size=c.patch, hidden_size=c.hidden, depth=c.depth, num_heads=c.heads, **kw)
+
+    def initialize_weights(self):
+        def _basic(m):
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_uniform_(m.weight)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+        self.apply(_basic)
+        pos = sincos_2d(self.pos_embed.shape[-1], self.x_embedder.grid)
+        self.pos_embed.data.copy_(torch.from_numpy(pos).float().unsqueeze(0))
+        w = self.x_embedder.proj.weight.data
+        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+        nn.init.zeros_(self.x_embedder.proj.bias)
+        nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
+        for block in self.blocks:            # adaLN-Zero: every block starts as the identity
+            nn.init.zeros_(block.adaLN_modulation[-1].weight)
+            nn.init.zeros_(block.adaLN_modulation[-1].bias)
+        for m in (self.final_layer.adaLN_modulation[-1], self.final_layer.linear):
+            nn.init.zeros_(m.weight)
+            nn.init.zeros_(m.bias)
+
+    def unpatchify(self, x):
+        c, p, h = self.out_channels, self.patch_size, self.x_embedder.grid
+        x = x.reshape(x.shape[0], h, h, p, p, c)
+        x = torch.einsum("nhwpqc->nchpwq", x)
+        return x.reshape(x.shape[0], c, h * p, h * p)
+
+    def forward(self, x, t, y):
+        """x: (N, C, H, W) images or latents, t: (N,) timesteps, y: (N,) labels -> (N, out_C, H, W)."""
+        if x.dim() != 4 or tuple(x.shape[1:]) != (self.in_channels, self.input_size, self.input_size):
+            raise ValueError(f"DiT: x must be (N, {self.in_channels}, {self.input_size}, {self.input_size}), "
+                             f"got {tuple(x.shape)}")
+        x = self.x_embedder(x) + self.pos_embed
+        c = self.t_embedder(t) + self.y_embedder(y, self.training)
+        for block in self.blocks:
+            x = block(x, c)
+        return self.unpatchify(self.final_layer(x, c))
+
+    def forward_with_cfg(self, x, t, y, cfg_scale: float):
+        """Classifier-free guidance: eps = eps(null) + s (eps(y) - eps(null)) on the first C channels."""
+        null = torch.full_like(y, self.num_classes)
+        out = self.forward(torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, null]))
+        eps, rest = out[:, :self.in_channels], out[:, self.in_channels:]
+        cond, uncond = eps.chunk(2)
+        guided = uncond + cfg_scale * (cond - uncond)
+        return torch.cat([guided, rest.chunk(2)[0]], dim=1)
+
+    def flops_per_image(self) -> float:
+        """Forward FLOPs (2 per multiply-add) of one image's GEMMs; a training step is about 3x."""
+        D, T = self.pos_embed.shape[-1], self.x_embedder.num_patches
+        L, pp = len(self.blocks), self.patch_size ** 2
+        blocks = L * (12 * D * D * T + 2 * T * T * D + 6 * D * D)   # linears, QK^T and AV, adaLN
+        ends = T * pp * D * (self.in_channels + self.out_channels) + 2 * D * D + 256 * D + D * D
+        return 2.0 * (blocks + ends)
+
+
+def sincos_2d(dim: int, grid: int) -> np.ndarray:
+    """The reference's get_2d_sincos_pos_embed (MAE): (grid*grid, dim)."""
+    ar = np.arange(grid, dtype=np.float32)
+    g = np.stack(np.meshgrid(ar, ar), axis=0).reshape(2, 1, grid, grid)   # (w, h) order, as MAE
+    return np.concatenate([_sincos_1d(dim // 2, g[0]), _sincos_1d(dim // 2, g[1])], axis=1)
+
+
+def _sincos_1d(dim: int, pos: np.ndarray) -> np.ndarray:
+    omega = 1.0 / 10000 ** (np.arange(dim // 2, dtype=np.float64) / (dim / 2.0))
+    out = np.einsum("m,d->md", pos.reshape(-1), omega)
+    return np.concatenate([np.sin(out), np.cos(out)], axis=1)

@@ -1,0 +1,108 @@
+"""Class-conditional sampling from a checkpoint (EMA weights by default) and the PNGs the
+trainer writes: a sample grid (one row per class) and the loss curve."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import checkpoint
+from .diffusion import GaussianDiffusion
+from .train import build_model
+
+
+def load_model(ckpt: str | Path, *, ema: bool = True):
+    """(model in eval mode, arch dict, checkpoint path) from a file or a run folder."""
+    path, state = checkpoint.resolve(ckpt)
+    model = build_model(state["arch"])
+    model.load_state_dict(state["ema" if ema else "model"])
+    return model.eval(), state["arch"], path
+
+
+@torch.no_grad()
+def generate(model, arch: dict, classes: list[int], *, per_class: int = 8, sampler: str = "ddim",
+             steps: int = 50, cfg: float = 4.0, seed: int = 0, progress: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Samples (len(classes) * per_class, C, H, W) and their requested labels, class-major."""
+    bad = [c for c in classes if not 0 <= c < arch["num_classes"]]
+    if bad:
+        raise ValueError(f"classes {bad} out of range: this model has classes 0..{arch['num_classes'] - 1}")
+    if per_class < 1:
+        raise ValueError(f"per_class must be >= 1, got {per_class}")
+    diffusion = GaussianDiffusion()
+    y = torch.tensor(classes, dtype=torch.long).repeat_interleave(per_class)
+    shape = (len(y), arch["in_channels"], arch["input_size"], arch["input_size"])
+    C = arch["in_channels"]
+
+    def eps_fn(x, t):
+        if cfg == 1.0 or arch["class_dropout"] <= 0:
+            return model(x, t, y)[:, :C]
+        return model.forward_with_cfg(x, t, y, cfg)[:, :C]
+
+    g = torch.Generator().manual_seed(seed)
+    total = diffusion.num_timesteps if sampler == "ddpm" else steps
+    if progress:
+        from rich.progress import Progress
+        with Progress(transient=True) as bar:
+            task = bar.add_task("sampling", total=total)
+            x = diffusion.sample(eps_fn, shape, sampler=sampler, steps=steps, generator=g,
+                                 clip=arch["images"], progress=lambda: bar.advance(task))
+    else:
+        x = diffusion.sample(eps_fn, shape, sampler=sampler, steps=steps, generator=g, clip=arch["images"])
+    return x, y
+
+
+def to_uint8(x: torch.Tensor) -> np.ndarray:
+    """(N, C, H, W) in [-1, 1] -> (N, H, W, C) uint8; a per-batch min-max stretch for latents."""
+    a = x.detach().float().numpy()
+    if a.min() < -1.001 or a.max() > 1.001:
+        a = 2 * (a - a.min()) / max(a.max() - a.min(), 1e-8) - 1
+    return np.clip((a + 1) * 127.5 + 0.5, 0, 255).astype(np.uint8).transpose(0, 2, 3, 1)
+
+
+def save_grid(x: torch.Tensor, rows: int, path: str | Path, *, cell: int = 64) -> Path:
+    """Write x as a PNG grid with `rows` rows (one per class), each image scaled to ~cell px."""
+    from PIL import Image
+    imgs = to_uint8(x)
+    n, h, w, c = imgs.shape
+    if c not in (1, 3):
+        imgs, c = imgs[..., :3] if c > 3 else np.repeat(imgs[..., :1], 3, -1), 3
+    cols = -(-n // rows)
+    scale = max(1, cell // max(h, w))
+    pad = 2
+    grid = np.full((rows * (h * scale + pad) + pad, cols * (w * scale + pad) + pad, c), 255, np.uint8)
+    for i, im in enumerate(imgs):
+        r, k = divmod(i, cols)
+        big = im.repeat(scale, 0).repeat(scale, 1)
+        y0, x0 = pad + r * (h * scale + pad), pad + k * (w * scale + pad)
+        grid[y0:y0 + h * scale, x0:x0 + w * scale] = big
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    Image.fromarray(grid[..., 0] if c == 1 else grid).save(tmp, format="PNG")
+    tmp.replace(path)
+    return path
+
+
+def plot_losses(losses: list[float], path: str | Path) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    path = Path(path)
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    steps = np.arange(1, len(losses) + 1)
+    ax.plot(steps, losses, lw=0.6, alpha=0.4, label="loss")
+    if len(losses) >= 20:
+        k = max(5, len(losses) // 50)
+        smooth = np.convolve(losses, np.ones(k) / k, mode="valid")
+        ax.plot(steps[k - 1:], smooth, lw=1.5, label=f"mean of {k}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("epsilon MSE")
+    ax.set_yscale("log")
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, format="png")
+    plt.close(fig)
+    tmp.replace(path)
+    return path

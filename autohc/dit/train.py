@@ -1,0 +1,196 @@
+"""The DiT training loop behind `autohc train`.
+
+One step: a batch from the data stream, timesteps and noise from the trainer's own generator,
+epsilon-MSE loss, backward, AdamW (autohc's fused one, or torch's with --no-autohc), EMA.
+Everything a step draws from is in the checkpoint (weights, EMA, optimizer, both RNG states,
+data position, the losses so far), so --resume continues bit-identically on the same machine
+and kernels. Rank-aware: data shards by rank; only rank 0 writes checkpoints, logs and plots;
+gradient hooks are left to the data-parallel runtime.
+"""
+from __future__ import annotations
+
+import copy
+import csv
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import checkpoint, data as datalib
+from .diffusion import GaussianDiffusion
+from .model import DiT, config as model_config
+
+
+@dataclass
+class TrainConfig:
+    model: str = "DiT-S/2"
+    data: str = "digits"
+    steps: int = 1000
+    batch: int = 64
+    out: str = "runs/dit"
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    ema: float = 0.9999
+    ckpt_every: int = 500
+    keep: int = 3
+    seed: int = 0
+    autohc: bool = True
+    threads: int | None = None
+    image_size: int | None = None       # synthetic size / folder resize
+    channels: int = 3                   # synthetic
+    class_dropout: float = 0.1
+    learn_sigma: bool = False
+    sample_steps: int = 50
+    cfg: float = 4.0
+    rank: int = 0
+    world: int = 1
+    extra: dict = field(default_factory=dict)
+
+
+def build_model(cfg: dict) -> DiT:
+    """The model a checkpoint's "arch" describes."""
+    c = model_config(cfg["model"])
+    return DiT(input_size=cfg["input_size"], patch_size=c.patch, in_channels=cfg["in_channels"],
+               hidden_size=c.hidden, depth=c.depth, num_heads=c.heads, num_classes=cfg["num_classes"],
+               class_dropout_prob=cfg["class_dropout"], learn_sigma=cfg["learn_sigma"])
+
+
+@torch.no_grad()
+def ema_update(ema: torch.nn.Module, model: torch.nn.Module, decay: float, step: int) -> None:
+    """EMA with the usual warm-up min(decay, (1 + n) / (10 + n)) so that short runs have a
+    useful average; at n -> inf it is the reference's plain `decay`."""
+    d = min(decay, (1 + step) / (10 + step))
+    for e, p in zip(ema.parameters(), model.parameters()):
+        if p.requires_grad:
+            e.mul_(d).add_(p.detach(), alpha=1 - d)
+
+
+def make_optimizer(params, cfg: TrainConfig):
+    if cfg.autohc:
+        from ..optim import AdamW
+        return AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20     # KiB -> GiB (Linux)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, dataset: datalib.Dataset | None = None):
+        self.cfg = cfg
+        self.out = Path(cfg.out)
+        if cfg.steps < 1 or cfg.batch < 1 or cfg.ckpt_every < 1:
+            raise ValueError("steps, batch and ckpt_every must be >= 1")
+        resumed = checkpoint.latest(self.out) if cfg.extra.get("resume") else None
+        if cfg.extra.get("resume") and resumed is None:
+            print(f"autohc: no checkpoint in {self.out}; starting from step 0", file=sys.stderr)
+        self.data = dataset or datalib.load(cfg.data, image_size=cfg.image_size,
+                                            channels=cfg.channels, seed=cfg.seed)
+        C, H, _ = self.data.shape
+        self.arch = {"model": cfg.model, "input_size": H, "in_channels": C,
+                     "num_classes": self.data.num_classes, "class_dropout": cfg.class_dropout,
+                     "learn_sigma": cfg.learn_sigma, "images": self.data.images, "data": self.data.name}
+        if resumed:
+            old = resumed[1]["arch"]
+            diff = {k: (old.get(k), v) for k, v in self.arch.items() if old.get(k) != v}
+            if diff:
+                raise ValueError(f"--resume: {resumed[0]} was trained with a different setup: "
+                                 + ", ".join(f"{k} {a!r} (now {b!r})" for k, (a, b) in diff.items()))
+        torch.manual_seed(cfg.seed)
+        self.model = build_model(self.arch)
+        self.ema = copy.deepcopy(self.model).requires_grad_(False).eval()
+        self.opt = make_optimizer([p for p in self.model.parameters() if p.requires_grad], cfg)
+        self.diffusion = GaussianDiffusion()
+        self.gen = torch.Generator().manual_seed(cfg.seed + 1)     # timesteps and noise
+        self.batches = datalib.Batches(self.data, cfg.batch, seed=cfg.seed, rank=cfg.rank, world=cfg.world)
+        self.step, self.losses = 0, []
+        if resumed:
+            self._restore(resumed[1])
+            self.resumed_from = resumed[0]
+        else:
+            self.resumed_from = None
+        self.flops_per_step = 3 * cfg.batch * self.model.flops_per_image()
+
+    # ----------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        return {"format": "autohc-dit-1", "arch": self.arch, "config": asdict(self.cfg),
+                "step": self.step, "model": self.model.state_dict(), "ema": self.ema.state_dict(),
+                "opt": self.opt.state_dict(), "rng_global": torch.get_rng_state(),
+                "rng_trainer": self.gen.get_state(), "data": self.batches.state_dict(),
+                "losses": list(self.losses)}
+
+    def _restore(self, s: dict) -> None:
+        self.model.load_state_dict(s["model"])
+        self.ema.load_state_dict(s["ema"])
+        self.opt.load_state_dict(s["opt"])
+        torch.set_rng_state(s["rng_global"])
+        self.gen.set_state(s["rng_trainer"])
+        self.batches.load_state_dict(s["data"])
+        self.step, self.losses = int(s["step"]), list(s["losses"])
+
+    def save(self) -> Path | None:
+        if self.cfg.rank != 0:
+            return None
+        p = checkpoint.save(self.state_dict(), self.out, self.step, self.cfg.keep)
+        self.write_losses()
+        return p
+
+    def write_losses(self) -> None:
+        tmp = self.out / ".losses.csv.tmp"
+        with open(tmp, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["step", "loss"])
+            w.writerows((i + 1, repr(v)) for i, v in enumerate(self.losses))
+        os.replace(tmp, self.out / "losses.csv")
+
+    # ------------------------------------------------------------------ step
+    def train_step(self) -> float:
+        self.model.train()
+        x, y = self.batches.next()
+        t = torch.randint(0, self.diffusion.num_timesteps, (x.shape[0],), generator=self.gen)
+        noise = torch.randn(x.shape, generator=self.gen)
+        loss = self.diffusion.training_loss(self.model, x, t, y, noise)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        ema_update(self.ema, self.model, self.cfg.ema, self.step)
+        self.step += 1
+        value = loss.item()
+        if not math.isfinite(value):
+            raise FloatingPointError(f"loss is {value} at step {self.step}; lower --lr")
+        self.losses.append(value)
+        return value
+
+    def run(self, progress: bool = True) -> dict:
+        """Train to cfg.steps; returns a summary (steps, seconds, images/s, GFLOP/s, peak RSS)."""
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        cfg, start = self.cfg, self.step
+        if self.cfg.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+        cols = [TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                TextColumn("{task.fields[stats]}")]
+        t0, smooth = time.perf_counter(), None
+        with Progress(*cols, disable=not progress or cfg.rank != 0, transient=False) as bar:
+            task = bar.add_task("train", total=cfg.steps, completed=start, stats="")
+            while self.step < cfg.steps:
+                loss = self.train_step()
+                smooth = loss if smooth is None else 0.98 * smooth + 0.02 * loss
+                dt = time.perf_counter() - t0
+                n = self.step - start
+                bar.update(task, completed=self.step, stats=(
+                    f"loss {smooth:.4f} · {n / dt:.2f} it/s · {n * cfg.batch / dt:.1f} img/s · "
+                    f"{n * self.flops_per_step / dt / 1e9:.0f} GFLOP/s · RSS {peak_rss_gb():.2f} GB"))
+                if self.step % cfg.ckpt_every == 0 or self.step == cfg.steps:
+                    self.save()
+        dt = time.perf_counter() - t0
+        n = self.step - start
+        return {"steps": self.step, "new_steps": n, "seconds": dt,
+                "steps_per_s": n / dt if dt else 0.0, "images_per_s": n * cfg.batch / dt if dt else 0.0,
+                "gflops": n * self.flops_per_step / dt / 1e9 if dt else 0.0,
+                "final_loss": self.losses[-1] if self.losses else None, "peak_rss_gb": peak_rss_gb()}

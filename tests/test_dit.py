@@ -1,0 +1,332 @@
+"""DiT model, diffusion, data, trainer (checkpoints, resume, kill -9), sampling, eval."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import autohc
+from autohc.cli import main
+from autohc.dit import DiT, checkpoint
+from autohc.dit import data as datalib
+from autohc.dit.diffusion import GaussianDiffusion
+from autohc.dit.train import TrainConfig, Trainer
+
+
+def tiny(**kw):
+    args = dict(input_size=8, patch_size=2, in_channels=1, hidden_size=64, depth=2, num_heads=4,
+                num_classes=10, learn_sigma=False)
+    args.update(kw)
+    return DiT(**args)
+
+
+# ------------------------------------------------------------------------------ model
+
+@pytest.mark.parametrize("name,count", [("DiT-S/2", 32_963_360), ("DiT-XL/2", 675_129_632)])
+def test_reference_parameter_counts(name, count):
+    with torch.device("meta"):          # counts only: no memory, no init cost
+        m = DiT.from_name(name)         # 256px: 32x32x4 latents, learn_sigma, 1000 classes
+    assert sum(p.numel() for p in m.parameters()) == count
+
+
+def test_forward_shapes_any_channels_and_size():
+    for c, size, sigma in ((4, 16, True), (13, 8, False), (1, 12, False)):
+        m = tiny(in_channels=c, input_size=size, learn_sigma=sigma)
+        x = torch.randn(3, c, size, size)
+        out = m(x, torch.tensor([0, 10, 999]), torch.tensor([0, 1, 2]))
+        assert out.shape == (3, 2 * c if sigma else c, size, size)
+
+
+def test_adaln_zero_init_and_frozen_pos_embed():
+    m = tiny()
+    assert not m.pos_embed.requires_grad
+    assert all(float(b.adaLN_modulation[-1].weight.detach().abs().sum()) == 0 for b in m.blocks)
+    # zero-initialised final layer: the untrained model predicts exactly 0
+    with torch.no_grad():
+        out = m(torch.randn(2, 1, 8, 8), torch.tensor([1, 2]), torch.tensor([3, 4]))
+    assert float(out.abs().max()) == 0.0
+
+
+def test_bad_input_shape_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"x must be \(N, 1, 8, 8\)"):
+        tiny()(torch.randn(2, 3, 8, 8), torch.tensor([1, 2]), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="multiple of the patch"):
+        tiny(input_size=7)
+
+
+def _randomised(m):
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.05)   # leave adaLN-Zero's zeros: exercise every path
+    return m
+
+
+def test_fused_blocks_match_plain_torch_forward_and_backward():
+    m = _randomised(tiny(input_size=16, hidden_size=96, num_heads=3, learn_sigma=True)).eval()
+    x = torch.randn(5, 1, 16, 16)
+    t, y = torch.tensor([0, 5, 50, 500, 999]), torch.tensor([0, 3, 9, 10, 1])
+
+    def run():
+        m.zero_grad()
+        out = m(x, t, y)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        return out.detach().clone(), [p.grad.clone() for p in m.parameters() if p.requires_grad]
+
+    ref, gref = run()
+    with autohc.installed():
+        got, g = run()
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+    for a, b in zip(g, gref):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+
+
+def test_cfg_guidance_combines_conditional_and_null():
+    m = _randomised(tiny()).eval()
+    x, t, y = torch.randn(2, 1, 8, 8), torch.tensor([10, 20]), torch.tensor([1, 2])
+    cond, uncond = m(x, t, y), m(x, t, torch.tensor([10, 10]))
+    torch.testing.assert_close(m.forward_with_cfg(x, t, y, 3.0), uncond + 3.0 * (cond - uncond),
+                               rtol=1e-4, atol=1e-5)
+
+
+# -------------------------------------------------------------------------- diffusion
+
+def test_schedule_matches_reference_formulas():
+    d = GaussianDiffusion()
+    betas = np.linspace(1e-4, 0.02, 1000)
+    np.testing.assert_allclose(d.alphas_cumprod.numpy(), np.cumprod(1 - betas), rtol=1e-12)
+    x0, noise = torch.randn(4, 1, 8, 8), torch.randn(4, 1, 8, 8)
+    t = torch.tensor([0, 1, 500, 999])
+    ac = torch.tensor(np.cumprod(1 - betas)[[0, 1, 500, 999]], dtype=torch.float32).view(-1, 1, 1, 1)
+    torch.testing.assert_close(d.q_sample(x0, t, noise), ac.sqrt() * x0 + (1 - ac).sqrt() * noise)
+
+
+@pytest.mark.parametrize("sampler,steps", [("ddim", 50), ("ddim", 7), ("ddpm", 1000)])
+def test_samplers_reach_the_data_point_with_an_exact_noise_oracle(sampler, steps):
+    d = GaussianDiffusion()
+    target = torch.rand(3, 1, 8, 8) * 1.6 - 0.8
+
+    def oracle(x, t):   # the exact epsilon for a data distribution that is one point
+        ac = d.alphas_cumprod[t].float().view(-1, 1, 1, 1)
+        return (x - ac.sqrt() * target) / (1 - ac).sqrt()
+
+    out = d.sample(oracle, target.shape, sampler=sampler, steps=steps,
+                   generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(out, target, rtol=0, atol=1e-3)
+
+
+# ------------------------------------------------------------------------------- data
+
+def test_digits_data():
+    ds = datalib.load("digits")
+    assert ds.x.shape == (1797, 1, 8, 8) and ds.num_classes == 10
+    assert float(ds.x.min()) == -1.0 and float(ds.x.max()) == 1.0
+
+
+def test_npy_data_and_its_errors(tmp_path):
+    x = (np.random.rand(6, 2, 4, 4) * 255).astype(np.uint8)
+    np.save(tmp_path / "a.npy", x)
+    np.save(tmp_path / "a.labels.npy", np.array([0, 1, 2, 0, 1, 2]))
+    ds = datalib.load(f"npy:{tmp_path / 'a.npy'}")
+    assert ds.x.shape == (6, 2, 4, 4) and ds.num_classes == 3 and ds.images
+    np.save(tmp_path / "lat.npy", np.random.randn(3, 4, 4, 4).astype(np.float32))
+    np.save(tmp_path / "lat.labels.npy", np.array([0, 0, 1]))
+    assert not datalib.load(f"npy:{tmp_path / 'lat.npy'}").images
+    np.save(tmp_path / "b.npy", x)
+    with pytest.raises(datalib.DataError, match="b.labels.npy: missing label file"):
+        datalib.load(f"npy:{tmp_path / 'b.npy'}")
+    np.save(tmp_path / "c.npy", x[:, 0])
+    np.save(tmp_path / "c.labels.npy", np.zeros(6, np.int64))
+    with pytest.raises(datalib.DataError, match=r"c.npy: shape \(6, 4, 4\)"):
+        datalib.load(f"npy:{tmp_path / 'c.npy'}")
+    np.save(tmp_path / "d.npy", x)
+    np.save(tmp_path / "d.labels.npy", np.zeros(5, np.int64))
+    with pytest.raises(datalib.DataError, match="d.labels.npy"):
+        datalib.load(f"npy:{tmp_path / 'd.npy'}")
+    (tmp_path / "e.npy").write_bytes(b"not numpy")
+    np.save(tmp_path / "e.labels.npy", np.zeros(6, np.int64))
+    with pytest.raises(datalib.DataError, match="e.npy: not a .npy array"):
+        datalib.load(f"npy:{tmp_path / 'e.npy'}")
+
+
+def _png(path, size=(8, 8), mode="RGB"):
+    from PIL import Image
+    Image.fromarray((np.random.rand(size[1], size[0], 3) * 255).astype(np.uint8)).convert(mode).save(path)
+
+
+def test_folder_data_and_its_errors(tmp_path):
+    for c in ("cat", "dog"):
+        (tmp_path / c).mkdir()
+        for i in range(3):
+            _png(tmp_path / c / f"{i}.png")
+    ds = datalib.load(f"folder:{tmp_path}")
+    assert ds.x.shape == (6, 3, 8, 8) and ds.y.tolist() == [0, 0, 0, 1, 1, 1]
+    _png(tmp_path / "dog" / "big.png", size=(16, 16))
+    with pytest.raises(datalib.DataError, match="big.png: size 16x16, expected 8x8"):
+        datalib.load(f"folder:{tmp_path}")
+    assert datalib.load(f"folder:{tmp_path}", image_size=4).x.shape == (7, 3, 4, 4)
+    (tmp_path / "dog" / "broken.png").write_bytes(b"\x89PNG garbage")
+    with pytest.raises(datalib.DataError, match="broken.png: not a readable image"):
+        datalib.load(f"folder:{tmp_path}", image_size=4)
+    with pytest.raises(datalib.DataError, match="expected digits, synthetic"):
+        datalib.load("imagenet")
+
+
+def test_batches_are_sharded_and_resumable():
+    ds = datalib.synthetic(4, 1, 10, 3, 0)
+    a = datalib.Batches(ds, 4, seed=1, rank=0, world=2)
+    b = datalib.Batches(ds, 4, seed=1, rank=1, world=2)
+    first = set(a._order.tolist()) | set(b._order.tolist())
+    assert first == set(range(10)) and not set(a._order.tolist()) & set(b._order.tolist())
+    for _ in range(3):
+        a.next()
+    s = a.state_dict()
+    expect = [a.next()[1].tolist() for _ in range(4)]
+    c = datalib.Batches(ds, 4, seed=1, rank=0, world=2)
+    c.load_state_dict(s)
+    assert [c.next()[1].tolist() for _ in range(4)] == expect
+
+
+# ---------------------------------------------------------------------------- trainer
+
+def cfg(out, steps, **kw):
+    args = dict(model="DiT-Ti/8", data="digits", steps=steps, batch=16, out=str(out), lr=1e-3,
+                ckpt_every=3, keep=2)
+    args.update(kw)
+    return TrainConfig(**args)
+
+
+def test_a_few_training_steps_on_digits_learn(tmp_path):
+    with autohc.installed():
+        tr = Trainer(cfg(tmp_path, 30, ckpt_every=10, model="DiT-Ti/2", batch=32))
+        r = tr.run(progress=False)
+    assert r["steps"] == 30 and len(tr.losses) == 30
+    assert np.mean(tr.losses[-5:]) < 0.6 * np.mean(tr.losses[:5])      # it learns
+    assert [s for s, _ in checkpoint.listing(tmp_path)] == [20, 30]     # keep=2
+    assert (tmp_path / "losses.csv").read_text().count("\n") == 31
+
+
+@pytest.mark.parametrize("use_autohc", [True, False])
+def test_resume_is_bit_identical(tmp_path, use_autohc):
+    import contextlib
+    ctx = autohc.installed if use_autohc else contextlib.nullcontext
+    with ctx():
+        full = Trainer(cfg(tmp_path / "full", 8, autohc=use_autohc))
+        full.run(progress=False)
+        part = Trainer(cfg(tmp_path / "part", 4, autohc=use_autohc))     # checkpoint at 3 and 4
+        part.run(progress=False)
+        (tmp_path / "part" / "ckpt-00000004.pt").unlink()                # continue from step 3
+        more = Trainer(cfg(tmp_path / "part", 8, autohc=use_autohc, extra={"resume": True}))
+        assert more.step == 3
+        more.run(progress=False)
+    assert more.losses == full.losses                                    # exact, not close
+    a, b = checkpoint.latest(tmp_path / "full")[1], checkpoint.latest(tmp_path / "part")[1]
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+
+
+def test_resume_refuses_another_setup(tmp_path):
+    Trainer(cfg(tmp_path, 3)).run(progress=False)
+    with pytest.raises(ValueError, match="different setup: model 'DiT-Ti/8'"):
+        Trainer(cfg(tmp_path, 6, model="DiT-Ti/4", extra={"resume": True}))
+
+
+def test_torn_checkpoint_is_skipped_with_a_warning(tmp_path, capsys):
+    Trainer(cfg(tmp_path, 3)).run(progress=False)
+    (tmp_path / "ckpt-00000009.pt").write_bytes(b"torn")
+    path, state = checkpoint.latest(tmp_path)
+    assert path.name == "ckpt-00000003.pt" and state["step"] == 3
+    assert "skipping" in capsys.readouterr().err
+
+
+KILL_SCRIPT = """
+import sys, autohc
+from autohc.dit.train import TrainConfig, Trainer
+autohc.install()
+Trainer(TrainConfig(model="DiT-Ti/8", data="digits", steps=10000, batch=8, out=sys.argv[1],
+                    ckpt_every=1, keep=2)).run(progress=False)
+"""
+
+
+def test_kill_9_never_leaves_an_unloadable_checkpoint(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(KILL_SCRIPT)
+    rng = np.random.default_rng(0)
+    out = tmp_path / "run"
+    for i in range(4):
+        p = subprocess.Popen([sys.executable, str(script), str(out)], stderr=subprocess.DEVNULL)
+        deadline = time.time() + 60
+        while not checkpoint.listing(out) and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(float(rng.uniform(0.0, 0.5)))        # somewhere inside a step or a save
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        for _, ck in checkpoint.listing(out):           # every complete name loads
+            assert checkpoint.load(ck)["format"] == "autohc-dit-1"
+    assert checkpoint.latest(out) is not None
+
+
+# ------------------------------------------------------------------ sampling, CLI, eval
+
+def test_train_cli_sample_and_eval(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--model", "DiT-Ti/8", "--data", "digits", "--steps", "4", "--batch", "8",
+                 "--out", str(out), "--ckpt-every", "2", "--no-progress", "--samples-per-class", "2",
+                 "--sample-steps", "3", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["steps"] == 4 and summary["gflops"] > 0 and summary["peak_rss_gb"] > 0
+    from PIL import Image
+    assert Image.open(out / "samples.png").size[1] > Image.open(out / "samples.png").size[0]  # 10 rows x 2
+    assert (out / "losses.png").stat().st_size > 0
+    grid = tmp_path / "g.png"
+    assert main(["sample", "--ckpt", str(out), "--classes", "3", "7", "--per-class", "5",
+                 "--sample-steps", "2", "--out", str(grid)]) == 0
+    w, h = Image.open(grid).size
+    assert w > 2 * h                                     # 2 rows of 5
+    assert main(["sample", "--ckpt", str(out), "--classes", "12", "--out", str(grid)]) == 1
+    assert "out of range" in capsys.readouterr().err
+    assert main(["eval", "--ckpt", str(out), "--per-class", "3", "--sample-steps", "2", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["samples"] == 30 and 0 <= r["class_match"] <= 1 and r["frechet"] > 0
+
+
+def test_generate_shapes():
+    from autohc.dit.sample import generate
+    arch = {"in_channels": 3, "input_size": 8, "num_classes": 5, "class_dropout": 0.1, "images": True}
+    m = _randomised(tiny(in_channels=3, num_classes=5)).eval()
+    x, y = generate(m, arch, [4, 0], per_class=3, steps=2, cfg=2.0)
+    assert x.shape == (6, 3, 8, 8) and y.tolist() == [4, 4, 4, 0, 0, 0]
+    assert float(x.abs().max()) <= 1.0
+
+
+def test_cli_bad_data_is_one_line(tmp_path, capsys):
+    assert main(["train", "--data", f"npy:{tmp_path / 'none.npy'}", "--out", str(tmp_path),
+                 "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "none.npy: no such file" in err
+    assert main(["sample", "--ckpt", str(tmp_path / "nothing")]) == 1
+    assert "no such checkpoint" in capsys.readouterr().err
+
+
+def test_eval_metric_separates_real_from_noise():
+    from autohc.dit.evaluate import evaluate_digits
+    from sklearn.datasets import load_digits
+    d = load_digits()
+    real = evaluate_digits(d.images[:300, None] / 8.0 - 1, d.target[:300])
+    noise = evaluate_digits(np.random.default_rng(0).uniform(-1, 1, (300, 1, 8, 8)), d.target[:300])
+    assert real["class_match"] > 0.95 and noise["class_match"] < 0.3
+    assert real["frechet"] < 0.2 * noise["frechet"]
+
+
+def test_bench_step_stock_vs_autohc():
+    from autohc.dit.bench_step import bench_step
+    r = bench_step("DiT-Ti/8", 2, image_size=16, steps=3, warmup=1, modes=["stock", "autohc"])
+    assert r["stock_s"] > 0 and r["autohc_s"] > 0 and r["compiled_s"] is None
+    assert r["speedup_vs_stock"] > 0 and r["max_loss_rel_diff"] < 1e-3
+    assert len(r["losses"]["autohc"]) == 3
