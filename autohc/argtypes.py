@@ -24,3 +24,7 @@ def positive_float(text: str) -> float:
 
 def unit_interval(text: str) -> float:
     return _number(float, text, lambda v: 0 <= v < 1, "a number in [0, 1)")
+
+
+def non_negative_int(text: str) -> int:
+    return _number(int, text, lambda v: v >= 0, "an integer >= 0")

@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from .argtypes import positive_int
+from .argtypes import non_negative_int, positive_int
 
 # torch's libgomp threads spin for milliseconds after each parallel region and OpenBLAS's for
 # ~2^28 cycles; interleaved with another library's threads they steal the cores. A fair
@@ -30,6 +30,7 @@ EPILOG = """examples:
   autohc sample --ckpt runs/digits --classes 3 5 7 --out grid.png
   autohc eval --ckpt runs/digits
   autohc bench step --model DiT-S/2 --batch 8
+  autohc bench ops --json
 """
 
 
@@ -144,6 +145,25 @@ def build_parser() -> argparse.ArgumentParser:
                       help="allowed fall of a ratio, as a fraction (default 0.25)")
     gate.add_argument("--update", action="store_true", help="measure and rewrite this CPU's baseline")
     gate.add_argument("--contended", action="store_true", help=argparse.SUPPRESS)
+    o = bsub.add_parser(
+        "ops", formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="the fused operators and AdamW vs torch eager, on DiT-XL/2-sized tensors",
+        description="Times each generated operator (GELU-tanh, SiLU, LayerNorm + adaLN modulate, "
+                    "softmax, gated residual; forward and backward) against torch eager on\n"
+                    "DiT-XL/2-sized tensors, interleaved, median of repeats, with effective GB/s and "
+                    "%% of a copy's bandwidth measured in the same run;\nand autohc.optim.AdamW "
+                    "against torch.optim.AdamW fused=True and foreach=True over 675M parameters.",
+        epilog="examples:\n  autohc bench ops\n  autohc bench ops --ops gelu_tanh softmax --adamw-params 0 --json\n"
+               "  autohc bench ops --adamw-params 50000000   # AdamW on less memory (675M needs ~14 GB)")
+    o.add_argument("--images", type=positive_int, default=8, help="images: 256 tokens each (default: 8)")
+    o.add_argument("--repeats", type=positive_int, default=9, help="timed repeats (default: 9)")
+    o.add_argument("--adamw-params", type=non_negative_int, default=675_129_632,
+                   help="AdamW parameters (default: DiT-XL/2's 675129632; 0 skips AdamW)")
+    o.add_argument("--ops", nargs="+", default=None, metavar="NAME",
+                   help="only these rows (names as in the table; 'adamw' included)")
+    o.add_argument("--threads", type=positive_int, default=None, help="threads (default: all usable)")
+    o.add_argument("--json", action="store_true", help="one JSON object (rows: name, ms, torch_ms, speedup, gbps, ...)")
+    o.add_argument("--contended", action="store_true", help=argparse.SUPPRESS)
     from .dit.commands import add_parsers
     add_parsers(sub, bsub)
     return ap
@@ -361,6 +381,28 @@ def cmd_bench_gemm(args) -> int:
     return 0
 
 
+def cmd_bench_ops(args) -> int:
+    import torch
+    from .bench_ops import bench_ops
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    r = bench_ops(args.images, args.repeats, args.adamw_params, args.ops,
+                  progress=None if args.json else lambda m: print(m, file=sys.stderr, flush=True))
+    if args.json:
+        print(json.dumps(r, indent=2))
+        return 0
+    print(f"{r['threads']} threads, copy bandwidth {r['bandwidth_gbps']:.1f} GB/s")
+    print(f"{'op':28s} {'shape':18s} {'ms':>8s} {'torch ms':>9s} {'speedup':>8s} {'GB/s':>6s} {'% bw':>5s}")
+    for w in r["rows"]:
+        print(f"{w['name']:28s} {w['shape']:18s} {w['ms']:8.2f} {w['torch_ms']:9.2f} "
+              f"{w['speedup']:7.2f}x {w['gbps']:6.1f} {w['pct_bandwidth']:4.0f}%")
+    if r["adamw_ms"]:
+        a = r["adamw_ms"]
+        print(f"adamw: autohc {a['autohc']:.1f} ms, torch fused {a['torch_fused']:.1f} ms, "
+              f"torch foreach {a['torch_foreach']:.1f} ms")
+    return 0
+
+
 def markdown_table(r: dict) -> str:
     lines = [f"**{r['model']}, {r['threads']} thread(s)**, {r['isa']}, measured peak "
              f"{r['peak_gflops_per_core']} GFLOP/s per core; geomean "
@@ -402,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_bench_gemm(args)
         if args.command == "bench" and args.what == "gate":
             return cmd_gate(args)
+        if args.command == "bench" and args.what == "ops":
+            return cmd_bench_ops(args)
         if args.command in ("train", "sample", "eval") or getattr(args, "what", None) == "step":
             from .dit import commands
             run = {"train": commands.cmd_train, "sample": commands.cmd_sample,
@@ -416,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         from .gemm import KernelError
         from .dit.data import DataError
         if isinstance(e, (BuildError, ParamError, KernelError, DataError)) or (
-                isinstance(e, ValueError) and args.command in ("train", "sample", "eval")):
+                isinstance(e, ValueError) and args.command in ("train", "sample", "eval", "bench")):
             print(f"autohc: {e}", file=sys.stderr)
             return 1
         raise

@@ -1,0 +1,33 @@
+"""`autohc bench ops`: compares like with like, and its JSON has the documented rows."""
+import json
+
+import torch
+
+from autohc.bench_ops import op_cases
+from autohc.cli import main
+
+
+def test_each_case_computes_what_its_torch_baseline_computes():
+    for name, shape, nbytes, mine, theirs in op_cases(images=1):
+        a, b = mine(), theirs()
+        a, b = (a, b) if isinstance(a, tuple) else ((a,), (b,))
+        assert len(a) == len(b), name
+        for u, v in zip(a, b):
+            torch.testing.assert_close(u, v, rtol=1e-4, atol=1e-5, msg=name)
+        assert nbytes > 0 and "x" in shape
+
+
+def test_bench_ops_json(capsys):
+    assert main(["bench", "ops", "--images", "1", "--repeats", "1", "--adamw-params", "100000",
+                 "--ops", "gelu_tanh", "layernorm_modulate_backward", "adamw", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert [w["name"] for w in r["rows"]] == ["gelu_tanh", "layernorm_modulate_backward", "adamw"]
+    for w in r["rows"]:
+        assert {"name", "ms", "torch_ms", "speedup", "gbps"} <= w.keys()
+        assert w["ms"] > 0 and w["torch_ms"] > 0 and abs(w["speedup"] - w["torch_ms"] / w["ms"]) < 1e-9
+    assert set(r["adamw_ms"]) == {"autohc", "torch_fused", "torch_foreach"}
+
+
+def test_bench_ops_unknown_name_is_one_line(capsys):
+    assert main(["bench", "ops", "--ops", "nope", "--adamw-params", "0"]) == 1
+    assert "unknown op ['nope']" in capsys.readouterr().err
