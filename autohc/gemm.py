@@ -40,6 +40,7 @@ class GemmKernel:
         fn = params.symbol
         lib = self.library.lib
         self._gemm = getattr(lib, f"{fn}_gemm")
+        self._gemm_batched = getattr(lib, f"{fn}_gemm_batched")
         self._ffi = self.library.ffi
         self.runnable = bool(getattr(lib, f"{fn}_isa_supported")())
         if self.runnable:
@@ -54,9 +55,23 @@ class GemmKernel:
         f = self._ffi
         rc = self._gemm(M, N, K, alpha, f.cast("float *", a_ptr), rsa, csa,
                         f.cast("float *", b_ptr), rsb, csb, beta, f.cast("float *", c_ptr), ldc)
-        if rc:
-            raise KernelError({-1: "out of memory for packed panels",
-                               -2: "cannot start GEMM threads"}.get(rc, f"error {rc}"))
+        _check(rc)
+
+    def run_batched(self, batch: int, sa: int, sb: int, sc: int, M: int, N: int, K: int,
+                    alpha: float, a_ptr: int, rsa: int, csa: int, b_ptr: int, rsb: int, csb: int,
+                    beta: float, c_ptr: int, ldc: int) -> None:
+        """`run` on `batch` matrices i at a_ptr + 4*i*sa (b, c likewise), in one C call."""
+        if not self.runnable:
+            raise KernelError(f"this CPU cannot run the {self.params.isa} back-end")
+        f = self._ffi
+        _check(self._gemm_batched(batch, sa, sb, sc, M, N, K, alpha, f.cast("float *", a_ptr), rsa, csa,
+                                  f.cast("float *", b_ptr), rsb, csb, beta, f.cast("float *", c_ptr), ldc))
+
+
+def _check(rc: int) -> None:
+    if rc:
+        raise KernelError({-1: "out of memory for packed panels",
+                           -2: "cannot start GEMM threads"}.get(rc, f"error {rc}"))
 
 
 _kernels: dict[GemmParams, GemmKernel] = {}
@@ -203,6 +218,20 @@ def _gemm_into(a, b, out, alpha: float, beta: float, threads: int):
     (the torch override); the registry's configuration or the default one."""
     return _run("torch", a, b, out, _operand_raw(a), _operand_raw(b), _operand_raw(out),
                 alpha, beta, threads, None)
+
+
+def _bmm_into(a, b, out, alpha: float, beta: float, threads: int):
+    """out[i] := alpha * a[i] @ b[i] + beta * out[i] for 3-D float32 CPU tensors checked by the
+    caller (the torch override), out row-major per matrix and not overlapping a or b: one
+    configuration (from matrix 0's problem) and one C call for the whole batch."""
+    A, B = _operand_raw(a[0]), _operand_raw(b[0])
+    M, K = A.shape
+    N = B.shape[1]
+    params = tuned_params(M, K, N, A.strides, B.strides, threads)
+    get_kernel(params).run_batched(a.shape[0], a.stride(0), b.stride(0), out.stride(0), M, N, K,
+                                   alpha, A.ptr, A.strides[0], A.strides[1], B.ptr, B.strides[0],
+                                   B.strides[1], beta, out.data_ptr(), out.stride(1))
+    return out
 
 
 def _operand_raw(t, kind: str = "torch") -> _Operand:

@@ -19,11 +19,11 @@ import warnings
 
 import torch
 
-from .gemm import _gemm_into
+from .gemm import _bmm_into, _gemm_into
 
 # Below this many multiply-adds per GEMM, ATen's lower call overhead wins.
 MIN_MACS = 32 * 32 * 32
-# bmm is routed per matrix: only when each matrix is big enough to amortise the loop.
+# bmm runs as one batched C call (one pool wake per matrix): routed for matrices of this size up.
 MIN_BMM_MACS = 128 * 128 * 128
 
 _lock = threading.Lock()
@@ -89,10 +89,7 @@ def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             and _serve(a[0], b[0], MIN_BMM_MACS):
         stats["autohc"] += 1
         out = torch.empty(a.shape[0], a.shape[1], b.shape[2], dtype=torch.float32)
-        t = _threads()
-        for i in range(a.shape[0]):
-            _gemm_into(a[i], b[i], out[i], 1.0, 0.0, t)
-        return out
+        return _bmm_into(a, b, out, 1.0, 0.0, _threads())
     stats["aten"] += 1
     return torch.ops.aten.bmm.out(a, b, out=a.new_empty(0))
 
@@ -103,10 +100,7 @@ def _baddbmm(inp, b1, b2, *, beta=1, alpha=1):
         out = _scaled_start(inp, (b1.shape[0], b1.shape[1], b2.shape[2]), beta)
         if out is not None:
             stats["autohc"] += 1
-            t = _threads()
-            for i in range(out.shape[0]):
-                _gemm_into(b1[i], b2[i], out[i], float(alpha), float(beta), t)
-            return out
+            return _bmm_into(b1, b2, out, float(alpha), float(beta), _threads())
     stats["aten"] += 1
     return torch.ops.aten.baddbmm.out(inp, b1, b2, beta=beta, alpha=alpha, out=b1.new_empty(0))
 

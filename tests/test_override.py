@@ -212,3 +212,44 @@ def test_torch_compile_inductor_same_results():
     with autohc.installed():
         got = torch.compile(model)(x)
     assert close(got, ref, 128)
+
+
+@pytest.mark.parametrize("case", ["transposed", "broadcast_batch", "sliced", "M1", "attention_grad"])
+def test_bmm_batched_layouts_match_aten(case):
+    """bmm/baddbmm run as one batched C call: every batch stride and per-matrix layout."""
+    torch.manual_seed(3)
+    A, B = torch.randn(5, 130, 140), torch.randn(5, 140, 150)
+    if case == "transposed":
+        args = (A.transpose(1, 2).contiguous().transpose(1, 2), B.transpose(1, 2).contiguous().transpose(1, 2))
+    elif case == "broadcast_batch":
+        args = (A[:1].expand(5, -1, -1), B)
+    elif case == "sliced":
+        big = torch.randn(5, 140, 300)
+        args = (A, big[:, :, 7:157])
+    elif case == "M1":
+        args = (torch.randn(4, 1, 20000), torch.randn(4, 20000, 130))
+    if case != "attention_grad":
+        ref = torch.ops.aten.bmm.out(*args, out=args[0].new_empty(0))
+        ref2 = torch.baddbmm(torch.ones(1, ref.shape[1], ref.shape[2]), *args, beta=0.5, alpha=-2.0)
+        with autohc.installed():
+            got, got2 = torch.bmm(*args), torch.baddbmm(torch.ones(1, ref.shape[1], ref.shape[2]),
+                                                         *args, beta=0.5, alpha=-2.0)
+        assert close(got, ref, args[0].shape[2]) and close(got2, ref2, args[0].shape[2])
+        return
+    q, k, v = (torch.randn(24, 256, 64, requires_grad=True) for _ in range(3))
+
+    def attn():
+        for t in (q, k, v):
+            t.grad = None
+        out = torch.softmax(q @ k.transpose(1, 2) * 0.125, -1) @ v
+        out.backward(torch.ones_like(out))
+        return out.detach(), [t.grad.clone() for t in (q, k, v)]
+
+    ref, gref = attn()
+    before = counts()["autohc"]
+    with autohc.installed():
+        got, g = attn()
+    assert counts()["autohc"] > before
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+    for a, b in zip(g, gref):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)

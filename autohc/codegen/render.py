@@ -52,4 +52,9 @@ def gemm_cdef(params: GemmParams) -> str:
         f"    const float *A, int64_t rsa, int64_t csa,\n"
         f"    const float *B, int64_t rsb, int64_t csb,\n"
         f"    float beta, float *C, int64_t ldc);\n"
+        f"int {fn}_gemm_batched(int64_t batch, int64_t sa, int64_t sb, int64_t sc,\n"
+        f"    int64_t M, int64_t N, int64_t K, float alpha,\n"
+        f"    const float *A, int64_t rsa, int64_t csa,\n"
+        f"    const float *B, int64_t rsb, int64_t csb,\n"
+        f"    float beta, float *C, int64_t ldc);\n"
     )
