@@ -420,13 +420,12 @@ def markdown_table(r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command in ("train", "sample", "eval") or (
-            args.command == "bench" and not getattr(args, "contended", True)):
+    if args.command == "bench" and not getattr(args, "contended", True):
         missing = {k: v for k, v in PASSIVE_ENV.items() if os.environ.get(k) != v}
         if missing and argv is None:    # the thread libraries read these at load: re-exec
             os.execve(sys.executable, [sys.executable, "-m", "autohc.cli", *sys.argv[1:]],
                       {**os.environ, **missing})
-        elif missing and args.command == "bench":
+        elif missing:
             print("autohc: note: run from the command line for passive thread pools",
                   file=sys.stderr)
     try:

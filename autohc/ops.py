@@ -5,7 +5,8 @@
     autohc.install()                                 also routes F.gelu(approximate="tanh")
                                                      and F.silu on float32 CPU tensors
 
-float32 CPU tensors run the generated kernels, split over torch.get_num_threads() threads
+float32 CPU tensors run the generated kernels, split over autohc.override.kernel_threads() threads
+(install()'s count while installed, else torch.get_num_threads())
 (cffi releases the GIL); everything else runs torch's own implementation.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from . import cpu
 from .build import build
 from .codegen.params import ISAS, ParamError
 from .codegen.render import environment
+from .override import kernel_threads
 
 PARALLEL_MIN = 1 << 16          # below this many elements one thread is faster
 
@@ -108,7 +110,7 @@ def _run(name: str, *tensors: torch.Tensor, params: EltwiseParams | None = None)
     n = out.numel()
     ptrs = [ffi.cast("float *", t.data_ptr()) for t in ins]
     optr = ffi.cast("float *", out.data_ptr())
-    threads = torch.get_num_threads() if n >= PARALLEL_MIN else 1
+    threads = kernel_threads() if n >= PARALLEL_MIN else 1
     # whole cache lines (64 floats) per thread
     bounds = [min(n, -(-n * i // threads // 64) * 64) for i in range(threads + 1)]
     _in_threads(lambda a, b: fn(*[q + a for q in ptrs], optr + a, b - a),
@@ -200,7 +202,7 @@ def _ln_mod(x: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | N
     rstd = torch.empty(B * T)
     ptr = lambda t: ffi.cast("float *", t.data_ptr()) if t is not None else ffi.NULL  # noqa: E731
     args = (ptr(xc), ptr(sc), ptr(sh), ptr(y), ptr(mean), ptr(rstd))
-    threads = torch.get_num_threads() if x.numel() >= PARALLEL_MIN else 1
+    threads = kernel_threads() if x.numel() >= PARALLEL_MIN else 1
     _in_threads(lambda r0, r1: fn(*args, r0, r1, D, T, float(eps)), _split(B * T, threads))
     return y, mean, rstd
 
@@ -236,7 +238,7 @@ def _ln_mod_bwd(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None,
     ptr = lambda t: ffi.cast("float *", t.data_ptr()) if t is not None and t.numel() else ffi.NULL  # noqa: E731
     args = (ptr(dyc), ptr(xc), ptr(sc), ptr(mean.contiguous()), ptr(rstd.contiguous()), ptr(dx),
             ptr(dscale), ptr(dshift))
-    threads = torch.get_num_threads() if x.numel() >= PARALLEL_MIN else 1
+    threads = kernel_threads() if x.numel() >= PARALLEL_MIN else 1
     _in_threads(lambda b0, b1: fn(*args, b0, b1, D, T), _split(B, threads))
     return dx, dscale, dshift
 
@@ -289,7 +291,7 @@ def _rows_call(name: str, *tensors, extra=(), out_like=None):
                            memory_format=torch.contiguous_format)
     rows = out.numel() // out.shape[-1] if out.dim() else 1
     ptrs = [ffi.cast("float *", t.data_ptr()) for t in ins] + [ffi.cast("float *", out.data_ptr())]
-    threads = torch.get_num_threads() if out.numel() >= PARALLEL_MIN else 1
+    threads = kernel_threads() if out.numel() >= PARALLEL_MIN else 1
     _in_threads(lambda r0, r1: fn(*ptrs, r0, r1, *extra), _split(rows, threads))
     return out
 

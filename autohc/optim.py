@@ -1,7 +1,8 @@
 """`autohc.optim.AdamW`: torch.optim.AdamW with a fused, generated step kernel.
 
 One pass per tensor reads the parameter, gradient and both moments once and writes them once
-(templates/ops/eltwise.c.j2 `adamw`), split over torch.get_num_threads() threads. Same
+(templates/ops/eltwise.c.j2 `adamw`), split over autohc.override.kernel_threads() threads
+(install()'s count while installed, else torch.get_num_threads()). Same
 hyper-parameters and state (`step`, `exp_avg`, `exp_avg_sq`) as torch.optim.AdamW, so
 state_dicts move between the two. Tensors the kernel does not take (not float32, not
 contiguous, not CPU) get torch's own AdamW update, unchanged.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
+from .override import kernel_threads
 
 
 class AdamW(torch.optim.Optimizer):
@@ -73,7 +75,7 @@ def _fused_step(p, g, m, v, lr, b1, b2, eps, wd, bc1, bc2):
     ffi, fn = lib.ffi, getattr(lib.lib, f"{prm.symbol}_adamw")
     ptrs = [ffi.cast("float *", t.data_ptr()) for t in (p, g, m, v)]
     n = p.numel()
-    threads = torch.get_num_threads() if n >= ops.PARALLEL_MIN else 1
+    threads = kernel_threads() if n >= ops.PARALLEL_MIN else 1
     chunks = ops._split(n, threads)
 
     def run(a, b):

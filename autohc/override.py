@@ -27,12 +27,8 @@ MIN_MACS = 32 * 32 * 32
 MIN_BMM_MACS = 128 * 128 * 128
 
 _lock = threading.Lock()
-_state = {"lib": None, "threads": None}
+_state = {"lib": None, "threads": None, "torch_threads_before": None}
 stats = {"autohc": 0, "aten": 0}       # calls served by each, for tests and curiosity
-
-
-def _threads() -> int:
-    return _state["threads"] or torch.get_num_threads()
 
 
 def _ok(*ts: torch.Tensor) -> bool:
@@ -69,7 +65,7 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if _serve(a, b):
         stats["autohc"] += 1
         out = torch.empty(a.shape[0], b.shape[1], dtype=torch.float32)
-        return _gemm_into(a, b, out, 1.0, 0.0, _threads())
+        return _gemm_into(a, b, out, 1.0, 0.0, kernel_threads())
     stats["aten"] += 1
     return torch.ops.aten.mm.out(a, b, out=a.new_empty(0))
 
@@ -79,7 +75,7 @@ def _addmm(inp: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, *, beta=1, alp
         out = _scaled_start(inp, (m1.shape[0], m2.shape[1]), beta)
         if out is not None:
             stats["autohc"] += 1
-            return _gemm_into(m1, m2, out, float(alpha), float(beta), _threads())
+            return _gemm_into(m1, m2, out, float(alpha), float(beta), kernel_threads())
     stats["aten"] += 1
     return torch.ops.aten.addmm.out(inp, m1, m2, beta=beta, alpha=alpha, out=m1.new_empty(0))
 
@@ -89,7 +85,7 @@ def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             and _serve(a[0], b[0], MIN_BMM_MACS):
         stats["autohc"] += 1
         out = torch.empty(a.shape[0], a.shape[1], b.shape[2], dtype=torch.float32)
-        return _bmm_into(a, b, out, 1.0, 0.0, _threads())
+        return _bmm_into(a, b, out, 1.0, 0.0, kernel_threads())
     stats["aten"] += 1
     return torch.ops.aten.bmm.out(a, b, out=a.new_empty(0))
 
@@ -100,19 +96,33 @@ def _baddbmm(inp, b1, b2, *, beta=1, alpha=1):
         out = _scaled_start(inp, (b1.shape[0], b1.shape[1], b2.shape[2]), beta)
         if out is not None:
             stats["autohc"] += 1
-            return _bmm_into(b1, b2, out, float(alpha), float(beta), _threads())
+            return _bmm_into(b1, b2, out, float(alpha), float(beta), kernel_threads())
     stats["aten"] += 1
     return torch.ops.aten.baddbmm.out(inp, b1, b2, beta=beta, alpha=alpha, out=b1.new_empty(0))
 
 
-def install(threads: int | None = None) -> None:
-    """Route torch's CPU float32 GEMMs to autohc kernels (tuned ones from the registry).
+def _positive(name: str, v) -> None:
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise ValueError(f"autohc.install: {name} must be a positive int, got {v!r}")
 
-    threads: GEMM threads; default follows torch.get_num_threads() at each call."""
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise ValueError(f"autohc.install: threads must be a positive int, got {threads!r}")
+
+def install(threads: int | None = None, torch_threads: int | None = 1) -> None:
+    """Route torch's CPU float32 GEMMs and the fused operators to autohc kernels (tuned ones
+    from the registry).
+
+    threads: threads of autohc's kernels (default: torch.get_num_threads() at the first install).
+    torch_threads: torch's own intra-op threads while installed (default 1; None leaves them).
+        torch's OpenMP workers spin for milliseconds after each op and take the cores from
+        autohc's kernels: measured on a DiT-S/2 step, autohc with torch's pool at 2 threads was
+        no faster than stock torch; with it at 1, 1.6x. uninstall() restores the setting."""
+    _positive("threads", threads)
+    _positive("torch_threads", torch_threads)
     with _lock:
-        _state["threads"] = threads
+        if _state["lib"] is None:
+            _state["torch_threads_before"] = torch.get_num_threads()
+        _state["threads"] = threads or _state["threads"] or _state["torch_threads_before"]
+        if torch_threads is not None:
+            torch.set_num_threads(torch_threads)
         if _state["lib"] is not None:
             return
         lib = torch.library.Library("aten", "IMPL")
@@ -130,12 +140,18 @@ def install(threads: int | None = None) -> None:
 
 
 def uninstall() -> None:
-    """Give the GEMMs back to ATen."""
+    """Give the GEMMs and operators back to ATen and torch its thread count."""
     with _lock:
         lib, _state["lib"] = _state["lib"], None
         _state["threads"] = None
         if lib is not None:
             lib._destroy()
+            torch.set_num_threads(_state["torch_threads_before"])
+
+
+def kernel_threads() -> int:
+    """Threads for autohc's kernels: install()'s count while installed, else torch's."""
+    return _state["threads"] or torch.get_num_threads()
 
 
 def is_installed() -> bool:
@@ -143,10 +159,10 @@ def is_installed() -> bool:
 
 
 @contextlib.contextmanager
-def installed(threads: int | None = None):
+def installed(threads: int | None = None, torch_threads: int | None = 1):
     """`with autohc.installed(): ...` — installed inside the block, as before after it."""
     was = is_installed()
-    install(threads)
+    install(threads, torch_threads)
     try:
         yield
     finally:

@@ -47,23 +47,30 @@ def test_linear_forward_and_backward_run_on_autohc():
     assert not autohc.is_installed()
 
 
-def test_install_uninstall_and_threads_follow_torch(monkeypatch):
+def test_install_owns_the_threads_and_uninstall_gives_them_back(monkeypatch):
     seen = []
     real = override._gemm_into
     monkeypatch.setattr(override, "_gemm_into", lambda *a: seen.append(a[-1]) or real(*a))
     a, b = torch.randn(64, 64), torch.randn(64, 64)
-    autohc.install()
     old = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        a @ b
         torch.set_num_threads(2)
+        autohc.install()                    # kernels: torch's 2; torch itself: 1 (no spinning pool)
+        assert torch.get_num_threads() == 1 and override.kernel_threads() == 2
         a @ b
+        autohc.install(threads=1)           # a second install changes the kernel threads only
+        torch.mm(a, b)
+        autohc.uninstall()
+        assert torch.get_num_threads() == 2 and override.kernel_threads() == 2
+        autohc.install(threads=3, torch_threads=None)
+        assert torch.get_num_threads() == 2
+        torch.mm(a, b)
+        autohc.uninstall()
     finally:
         torch.set_num_threads(old)
-    autohc.install(threads=1)
-    torch.mm(a, b)
-    assert seen == [1, 2, 1]
+    assert seen == [2, 1, 3]
+    with pytest.raises(ValueError, match="torch_threads"):
+        autohc.install(torch_threads=0)
     autohc.uninstall()
     torch.mm(a, b)
     assert len(seen) == 3

@@ -113,23 +113,24 @@ def add_parsers(sub, bsub) -> None:
                    default=["stock", "compiled", "autohc"], help="what to run (default: all three)")
     b.add_argument("--threads", type=positive_int, default=None, help="threads (default: every usable CPU)")
     b.add_argument("--json", action="store_true", help="one JSON object")
-    b.add_argument("--contended", action="store_true", help=argparse.SUPPRESS)
 
 
 def cmd_train(args) -> int:
     import contextlib
+    import torch
     import autohc
+    if args.threads:                    # before install(), which takes the count for its kernels
+        torch.set_num_threads(args.threads)
     with (contextlib.nullcontext() if args.no_autohc else autohc.installed()):
         return _train(args)
 
 
 def _train(args) -> int:
     import torch
+    from .. import override
     from . import data as datalib
     from .sample import generate, plot_losses, save_grid
     from .train import TrainConfig, Trainer
-    if args.threads:
-        torch.set_num_threads(args.threads)
     cfg = TrainConfig(model=args.model, data=args.data, steps=args.steps, batch=args.batch,
                       out=args.out, lr=args.lr, weight_decay=args.weight_decay, ema=args.ema,
                       ckpt_every=args.ckpt_every, keep=args.keep, seed=args.seed,
@@ -156,7 +157,7 @@ def _train(args) -> int:
     save_grid(x, len(classes), out / "samples.png")
     summary.update(out=str(out), losses_png=str(out / "losses.png"), samples_png=str(out / "samples.png"),
                    model=args.model, batch=args.batch, autohc=not args.no_autohc,
-                   threads=torch.get_num_threads())
+                   threads=override.kernel_threads())
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
