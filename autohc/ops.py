@@ -22,6 +22,7 @@ from . import cpu
 from .build import build
 from .codegen.params import ISAS, ParamError
 from .codegen.render import environment
+from .memory import fresh_like as _fresh_like
 from .override import kernel_threads
 
 PARALLEL_MIN = 1 << 16          # below this many elements one thread is faster
@@ -106,7 +107,7 @@ def _run(name: str, *tensors: torch.Tensor, params: EltwiseParams | None = None)
     fn = getattr(lib.lib, f"{p.symbol}_{name}")
     ffi = lib.ffi
     ins = [t.contiguous() for t in tensors]
-    out = torch.empty_like(ins[-1], memory_format=torch.contiguous_format)
+    out = _fresh_like(ins[-1])
     n = out.numel()
     ptrs = [ffi.cast("float *", t.data_ptr()) for t in ins]
     optr = ffi.cast("float *", out.data_ptr())
@@ -197,7 +198,7 @@ def _ln_mod(x: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | N
     xc = x.contiguous()
     sc = scale.contiguous() if scale is not None else None
     sh = shift.contiguous() if shift is not None else None
-    y = torch.empty_like(xc)
+    y = _fresh_like(xc)
     mean = torch.empty(B * T)
     rstd = torch.empty(B * T)
     ptr = lambda t: ffi.cast("float *", t.data_ptr()) if t is not None else ffi.NULL  # noqa: E731
@@ -232,7 +233,7 @@ def _ln_mod_bwd(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None,
     ffi, fn = lib.ffi, getattr(lib.lib, f"{p.symbol}_ln_mod_bwd")
     dyc, xc = dy.contiguous(), x.contiguous()
     sc = scale.contiguous() if scale is not None else None
-    dx = torch.empty_like(xc)
+    dx = _fresh_like(xc)
     dscale = torch.empty(B, D) if want_scale else x.new_zeros(0)
     dshift = torch.empty(B, D) if want_shift else x.new_zeros(0)
     ptr = lambda t: ffi.cast("float *", t.data_ptr()) if t is not None and t.numel() else ffi.NULL  # noqa: E731
@@ -287,8 +288,7 @@ def _rows_call(name: str, *tensors, extra=(), out_like=None):
     lib = library(p)
     ffi, fn = lib.ffi, getattr(lib.lib, f"{p.symbol}_{name}")
     ins = [t.contiguous() for t in tensors]
-    out = torch.empty_like(out_like if out_like is not None else ins[0],
-                           memory_format=torch.contiguous_format)
+    out = _fresh_like(out_like if out_like is not None else ins[0])
     rows = out.numel() // out.shape[-1] if out.dim() else 1
     ptrs = [ffi.cast("float *", t.data_ptr()) for t in ins] + [ffi.cast("float *", out.data_ptr())]
     threads = kernel_threads() if out.numel() >= PARALLEL_MIN else 1

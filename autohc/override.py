@@ -20,6 +20,7 @@ import warnings
 import torch
 
 from .gemm import _bmm_into, _gemm_into
+from .memory import fresh_empty
 
 # Below this many multiply-adds per GEMM, ATen's lower call overhead wins.
 MIN_MACS = 32 * 32 * 32
@@ -51,7 +52,7 @@ def _scaled_start(inp: torch.Tensor, shape, beta) -> torch.Tensor | None:
         src = inp.expand(shape)
     except RuntimeError:
         return None
-    out = torch.empty(shape, dtype=torch.float32)
+    out = fresh_empty(*shape)
     if beta != 0:
         out.copy_(src)
     return out
@@ -64,7 +65,7 @@ def _real(*scalars) -> bool:
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if _serve(a, b):
         stats["autohc"] += 1
-        out = torch.empty(a.shape[0], b.shape[1], dtype=torch.float32)
+        out = fresh_empty(a.shape[0], b.shape[1])
         return _gemm_into(a, b, out, 1.0, 0.0, kernel_threads())
     stats["aten"] += 1
     return torch.ops.aten.mm.out(a, b, out=a.new_empty(0))
@@ -84,7 +85,7 @@ def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0] and a.shape[0] > 0 \
             and _serve(a[0], b[0], MIN_BMM_MACS):
         stats["autohc"] += 1
-        out = torch.empty(a.shape[0], a.shape[1], b.shape[2], dtype=torch.float32)
+        out = fresh_empty(a.shape[0], a.shape[1], b.shape[2])
         return _bmm_into(a, b, out, 1.0, 0.0, kernel_threads())
     stats["aten"] += 1
     return torch.ops.aten.bmm.out(a, b, out=a.new_empty(0))

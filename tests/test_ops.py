@@ -260,3 +260,19 @@ def test_gated_residual_forward_backward_and_bad_shapes():
                           (torch.randn(2, 3, 8), torch.randn(2, 3, 8), torch.randn(2, 8)))
     with pytest.raises(ValueError, match="gated_residual"):
         ops.gated_residual(torch.randn(2, 3, 4), torch.randn(2, 3, 4), torch.randn(3, 4))
+
+
+def test_fresh_results_ask_for_huge_pages_on_their_aligned_inside(monkeypatch):
+    from autohc import memory
+    calls = []
+    memory._madvise.cache_clear()
+    monkeypatch.setattr(memory, "_madvise", lambda: (lambda a, n, adv: calls.append((a, n, adv)) or 0))
+    small = memory.fresh_like(torch.randn(10, 10).t())
+    assert small.shape == (10, 10) and small.is_contiguous() and calls == []
+    big = memory.fresh_empty(1024, 4096)                     # 16 MB
+    (a, n, adv), = calls
+    assert adv == memory.MADV_HUGEPAGE and a % memory.HUGE == 0 and n % memory.HUGE == 0
+    assert big.data_ptr() <= a and a + n <= big.data_ptr() + big.nbytes and n >= big.nbytes - 2 * memory.HUGE
+    x = torch.randn(1024, 4096)                             # and a kernel result through it is right
+    torch.testing.assert_close(autohc.ops.gelu_tanh(x), torch.nn.functional.gelu(x, approximate="tanh"),
+                               rtol=1e-5, atol=2e-6)

@@ -35,11 +35,10 @@ def add_parsers(sub, bsub) -> None:
     models = ", ".join(MODELS)
     t = sub.add_parser("train", formatter_class=argparse.RawDescriptionHelpFormatter,
                        help="train a class-conditional DiT (checkpoints, resume, samples)",
-                       description="Trains a DiT with epsilon-MSE diffusion loss, AdamW and EMA, on "
-                                   "autohc's tuned GEMMs and fused operators (--no-autohc: stock "
-                                   "torch). Shows loss, steps/s, images/s, GFLOP/s and peak RSS. "
-                                   "--resume continues from the newest checkpoint in --out with "
-                                   "losses bit-identical to an uninterrupted run.",
+                       description="Trains a class-conditional DiT with the epsilon-MSE diffusion loss, AdamW and\n"
+                                   "EMA, on autohc's tuned GEMMs and fused operators (--no-autohc: stock torch).\n"
+                                   "Shows loss, steps/s, images/s, GFLOP/s and peak RSS. --resume continues from\n"
+                                   "the newest checkpoint in --out, with losses bit-identical to an uninterrupted run.",
                        epilog=TRAIN_EPILOG)
     t.add_argument("--model", default="DiT-Ti/2", choices=list(MODELS), metavar="NAME",
                    help=f"one of {models} (default: DiT-Ti/2)")
@@ -95,10 +94,10 @@ def add_parsers(sub, bsub) -> None:
 
     b = bsub.add_parser("step", formatter_class=argparse.RawDescriptionHelpFormatter,
                         help="one DiT training step: stock torch vs torch.compile vs autohc",
-                        description="Times one training step (forward, backward, AdamW) of a DiT "
-                                    "on synthetic 256px latents (32x32x4, 1000 classes) with stock "
-                                    "torch eager, torch.compile (inductor) and autohc, in one run, "
-                                    "steps interleaved, median after warm-up; the losses of the "
+                        description="Times one training step (forward, backward, AdamW) of a DiT on synthetic 256px\n"
+                                    "latents (32x32x4, 1000 classes) with stock torch eager, torch.compile (inductor)\n"
+                                    "and autohc, in one run: steps interleaved (one mode after the other when three\n"
+                                    "copies would not fit in memory), median after warm-up; the losses of the\n"
                                     "steps from the same seed are compared.",
                         epilog="examples:\n  autohc bench step --model DiT-S/2 --batch 8\n"
                                "  autohc bench step --model DiT-XL/2 --batch 4 --json\n"
