@@ -26,7 +26,7 @@ EPILOG = """examples:
   autohc info
   autohc bench gemm --model dit-xl --threads 1 2
   autohc bench gemm --model dit-s --threads 2 --json > gemm.json
-  autohc train --data digits --steps 3000 --out runs/digits
+  autohc train --data digits --out runs/digits
   autohc sample --ckpt runs/digits --classes 3 5 7 --out grid.png
   autohc eval --ckpt runs/digits
   autohc bench step --model DiT-S/2 --batch 8

@@ -233,6 +233,8 @@ def test_resume_is_bit_identical(tmp_path, use_autohc):
 
 def test_resume_refuses_another_setup(tmp_path):
     Trainer(cfg(tmp_path, 3)).run(progress=False)
+    with pytest.raises(ValueError, match="earlier run: pass --resume"):
+        Trainer(cfg(tmp_path, 6))               # would mix two runs' checkpoints
     with pytest.raises(ValueError, match="different setup: model 'DiT-Ti/8'"):
         Trainer(cfg(tmp_path, 6, model="DiT-Ti/4", extra={"resume": True}))
 
@@ -250,7 +252,7 @@ import sys, autohc
 from autohc.dit.train import TrainConfig, Trainer
 autohc.install()
 Trainer(TrainConfig(model="DiT-Ti/8", data="digits", steps=10000, batch=8, out=sys.argv[1],
-                    ckpt_every=1, keep=2)).run(progress=False)
+                    ckpt_every=1, keep=2, extra={"resume": True})).run(progress=False)
 """
 
 
@@ -260,16 +262,20 @@ def test_kill_9_never_leaves_an_unloadable_checkpoint(tmp_path):
     rng = np.random.default_rng(0)
     out = tmp_path / "run"
     for i in range(4):
-        p = subprocess.Popen([sys.executable, str(script), str(out)], stderr=subprocess.DEVNULL)
-        deadline = time.time() + 60
-        while not checkpoint.listing(out) and time.time() < deadline:
+        before = max((s for s, _ in checkpoint.listing(out)), default=0)
+        p = subprocess.Popen([sys.executable, str(script), str(out)], stderr=subprocess.PIPE)
+        deadline = time.time() + 60         # wait until this run (resumed) has saved a step
+        while max((s for s, _ in checkpoint.listing(out)), default=0) <= before and time.time() < deadline:
+            assert p.poll() is None, p.stderr.read().decode()[-2000:]
             time.sleep(0.05)
         time.sleep(float(rng.uniform(0.0, 0.5)))        # somewhere inside a step or a save
         os.kill(p.pid, signal.SIGKILL)
         p.wait()
+        p.stderr.close()
         for _, ck in checkpoint.listing(out):           # every complete name loads
             assert checkpoint.load(ck)["format"] == "autohc-dit-1"
-    assert checkpoint.latest(out) is not None
+    path, state = checkpoint.latest(out)
+    assert state["step"] > 4 and len(state["losses"]) == state["step"]    # 4 runs, each resumed
 
 
 # ------------------------------------------------------------------ sampling, CLI, eval

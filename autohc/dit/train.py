@@ -87,6 +87,9 @@ class Trainer:
         self.out = Path(cfg.out)
         if cfg.steps < 1 or cfg.batch < 1 or cfg.ckpt_every < 1:
             raise ValueError("steps, batch and ckpt_every must be >= 1")
+        if not cfg.extra.get("resume") and checkpoint.listing(self.out):
+            raise ValueError(f"{self.out} holds checkpoints of an earlier run: pass --resume to continue "
+                             "it, or another --out")
         resumed = checkpoint.latest(self.out) if cfg.extra.get("resume") else None
         if cfg.extra.get("resume") and resumed is None:
             print(f"autohc: no checkpoint in {self.out}; starting from step 0", file=sys.stderr)
