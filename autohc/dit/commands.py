@@ -77,6 +77,7 @@ def add_parsers(sub, bsub) -> None:
     s.add_argument("--out", default="samples.png", help="PNG path (default: samples.png)")
     s.add_argument("--seed", type=int, default=0, help="noise seed (default: 0)")
     s.add_argument("--raw", action="store_true", help="the raw model weights instead of the EMA")
+    s.add_argument("--no-autohc", action="store_true", help="stock torch kernels")
     _sampling_args(s)
 
     e = sub.add_parser("eval", help="digits quality: class match and Fréchet distance of samples",
@@ -90,6 +91,7 @@ def add_parsers(sub, bsub) -> None:
     e.add_argument("--seed", type=int, default=0, help="noise seed (default: 0)")
     e.add_argument("--raw", action="store_true", help="the raw model weights instead of the EMA")
     e.add_argument("--json", action="store_true", help="one JSON object")
+    e.add_argument("--no-autohc", action="store_true", help="stock torch kernels")
     _sampling_args(e)
 
     b = bsub.add_parser("step", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -114,13 +116,18 @@ def add_parsers(sub, bsub) -> None:
     b.add_argument("--json", action="store_true", help="one JSON object")
 
 
-def cmd_train(args) -> int:
+def _kernels(args):
+    """autohc installed for the command, unless --no-autohc."""
     import contextlib
-    import torch
     import autohc
+    return contextlib.nullcontext() if args.no_autohc else autohc.installed()
+
+
+def cmd_train(args) -> int:
+    import torch
     if args.threads:                    # before install(), which takes the count for its kernels
         torch.set_num_threads(args.threads)
-    with (contextlib.nullcontext() if args.no_autohc else autohc.installed()):
+    with _kernels(args):
         return _train(args)
 
 
@@ -172,8 +179,9 @@ def cmd_sample(args) -> int:
     from .sample import generate, load_model, save_grid
     model, arch, path = load_model(args.ckpt, ema=not args.raw)
     classes = args.classes if args.classes is not None else list(range(min(10, arch["num_classes"])))
-    x, _ = generate(model, arch, classes, per_class=args.per_class, sampler=args.sampler,
-                    steps=args.sample_steps, cfg=args.cfg, seed=args.seed, progress=True)
+    with _kernels(args):
+        x, _ = generate(model, arch, classes, per_class=args.per_class, sampler=args.sampler,
+                        steps=args.sample_steps, cfg=args.cfg, seed=args.seed, progress=True)
     save_grid(x, len(classes), args.out)
     print(f"autohc: {len(x)} samples from {path} -> {args.out}")
     return 0
@@ -187,8 +195,9 @@ def cmd_eval(args) -> int:
         raise ValueError(f"{path}: autohc eval checks digits models (1 x 8 x 8, 10 classes); this one is "
                          f"{arch['in_channels']} x {arch['input_size']} x {arch['input_size']}, "
                          f"{arch['num_classes']} classes")
-    x, y = generate(model, arch, list(range(10)), per_class=args.per_class, sampler=args.sampler,
-                    steps=args.sample_steps, cfg=args.cfg, seed=args.seed, progress=not args.json)
+    with _kernels(args):
+        x, y = generate(model, arch, list(range(10)), per_class=args.per_class, sampler=args.sampler,
+                        steps=args.sample_steps, cfg=args.cfg, seed=args.seed, progress=not args.json)
     r = evaluate_digits(x, y)
     r.update(ckpt=str(path), sampler=args.sampler, sample_steps=args.sample_steps, cfg=args.cfg)
     if args.json:
