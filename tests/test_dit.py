@@ -292,7 +292,7 @@ def test_train_cli_sample_and_eval(tmp_path, capsys):
     assert (out / "losses.png").stat().st_size > 0
     grid = tmp_path / "g.png"
     assert main(["sample", "--ckpt", str(out), "--classes", "3", "7", "--per-class", "5",
-                 "--sample-steps", "2", "--out", str(grid)]) == 0
+                 "--steps", "2", "--cfg", "3", "--out", str(grid)]) == 0
     w, h = Image.open(grid).size
     assert w > 2 * h                                     # 2 rows of 5
     assert main(["sample", "--ckpt", str(out), "--classes", "12", "--out", str(grid)]) == 1

@@ -23,10 +23,11 @@ data:
 writes to --out: ckpt-<step>.pt (atomic; the last --keep kept), losses.csv, losses.png, samples.png"""
 
 
-def _sampling_args(p) -> None:
+def _sampling_args(p, *, steps_alias: bool = False) -> None:
     p.add_argument("--sampler", choices=["ddim", "ddpm"], default="ddim",
                    help="ddim (eta 0, --sample-steps steps) or ddpm (all 1000) (default: ddim)")
-    p.add_argument("--sample-steps", type=positive_int, default=50, help="DDIM steps (default: 50)")
+    names = ("--sample-steps", "--steps") if steps_alias else ("--sample-steps",)
+    p.add_argument(*names, dest="sample_steps", type=positive_int, default=50, help="DDIM steps (default: 50)")
     p.add_argument("--cfg", type=positive_float, default=2.0,
                    help="classifier-free guidance scale; 1 = none (default: 2)")
 
@@ -78,7 +79,7 @@ def add_parsers(sub, bsub) -> None:
     s.add_argument("--seed", type=int, default=0, help="noise seed (default: 0)")
     s.add_argument("--raw", action="store_true", help="the raw model weights instead of the EMA")
     s.add_argument("--no-autohc", action="store_true", help="stock torch kernels")
-    _sampling_args(s)
+    _sampling_args(s, steps_alias=True)
 
     e = sub.add_parser("eval", help="digits quality: class match and Fréchet distance of samples",
                        description="Generates samples of every digit class and labels them with a "
@@ -92,7 +93,7 @@ def add_parsers(sub, bsub) -> None:
     e.add_argument("--raw", action="store_true", help="the raw model weights instead of the EMA")
     e.add_argument("--json", action="store_true", help="one JSON object")
     e.add_argument("--no-autohc", action="store_true", help="stock torch kernels")
-    _sampling_args(e)
+    _sampling_args(e, steps_alias=True)
 
     b = bsub.add_parser("step", formatter_class=argparse.RawDescriptionHelpFormatter,
                         help="one DiT training step: stock torch vs torch.compile vs autohc",
