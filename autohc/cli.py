@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the Linear's in x out features, e.g. 1152x4608")
     what.add_argument("--model", choices=["dit-s", "dit-b", "dit-l", "dit-xl"],
                       help="every training GEMM of this DiT size (15 problems)")
+    what.add_argument("--op", nargs="+", metavar="NAME",
+                      help="element-wise operator kernels instead (names as in `autohc bench ops`, "
+                           "or all): vector width and unroll from search_spaces/eltwise.yaml")
     tune.add_argument("--m", type=positive_int, default=2048, help="rows (tokens), default 2048")
     tune.add_argument("--layout", choices=["NT", "NN", "TN", "all"], default="all",
                       help="NT forward, NN input grad, TN weight grad (default: all)")
@@ -89,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
     tune.add_argument("--force", action="store_true", help="retune problems already in the registry")
     tune.add_argument("--json", action="store_true", help="one JSON object per problem")
+    tune.add_argument("--images", type=positive_int, default=8,
+                      help="with --op: DiT-XL/2 tensors for this many images (default: 8)")
 
     exp = sub.add_parser("export", help="write tuned kernels as C + header + manifest.json",
                          description="Writes the C source of every tuned kernel of this CPU (and "
@@ -230,6 +235,8 @@ def cmd_tune(args, parser) -> int:
         except StorageError as e:
             parser.error(str(e))
     threads = args.threads or cpu.detect().cores
+    if args.op:
+        return _tune_ops(args, threads)
     if args.model:
         problems = dit_problems(args.model, max(1, args.m // 256))
     else:
@@ -282,6 +289,25 @@ def cmd_tune(args, parser) -> int:
                   f"{r.speedup_vs_torch:.2f}", str(r.trials),
                   "registry" if r.from_registry else "tuned")
     Console(width=max(Console().width, 150)).print(t)
+    return 0
+
+
+def _tune_ops(args, threads: int) -> int:
+    from .tune.op_tuner import OP_KERNELS, tune_op
+    names = list(OP_KERNELS) if args.op == ["all"] else args.op
+    unknown = [n for n in names if n not in OP_KERNELS]
+    if unknown:
+        raise ValueError(f"unknown op {unknown}; one of {', '.join(OP_KERNELS)} or all")
+    say = None if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
+    for name in names:
+        r = tune_op(name, threads, images=args.images, timeout=args.timeout, seed=args.seed, progress=say)
+        if args.json:
+            print(json.dumps(r))
+        else:
+            p = r["params"]
+            print(f"{name}: vl {p['vl']} unroll {p['unroll']} ({p['isa']}), {r['ms']:.2f} ms, "
+                  f"torch {r['torch_ms']:.2f} ms, {r['speedup_vs_torch']:.2f}x, {r['trials']} trials "
+                  f"-> registry")
     return 0
 
 
@@ -459,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         from .gemm import KernelError
         from .dit.data import DataError
         if isinstance(e, (BuildError, ParamError, KernelError, DataError)) or (
-                isinstance(e, ValueError) and args.command in ("train", "sample", "eval", "bench")):
+                isinstance(e, ValueError) and args.command in ("train", "sample", "eval", "bench", "tune")):
             print(f"autohc: {e}", file=sys.stderr)
             return 1
         raise

@@ -30,7 +30,7 @@ def export(out: str | os.PathLike, include_defaults: bool = True) -> dict:
     (out / "kernels").mkdir(parents=True, exist_ok=True)
     info = cpu.detect()
     items: list[tuple[GemmParams, dict]] = []
-    for key, entry in sorted(registry.entries_for_this_cpu().items()):
+    for key, entry in sorted(registry.entries_for_this_cpu("gemm").items()):
         try:
             items.append((GemmParams.from_dict(entry["params"]), {"registry_key": key, **{
                 k: entry.get(k) for k in ("op", "layout", "K", "N", "M", "threads", "gflops",

@@ -11,6 +11,7 @@ float32 CPU tensors run the generated kernels, split over autohc.override.kernel
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -55,6 +56,36 @@ BWD_FUNCS = ("gelu_tanh_bwd", "silu_bwd")
 def default_eltwise(isa: str | None = None) -> EltwiseParams:
     isa = isa or cpu.best_isa()
     return EltwiseParams(isa=isa, vl={"avx512": 16, "avx2": 8}.get(isa, 4), unroll=2).validate()
+
+
+_forced: dict[str, EltwiseParams] = {}     # kernel -> params, set by the tuner for one trial
+
+
+@contextlib.contextmanager
+def forced_params(kernel: str, params: EltwiseParams):
+    """Run `kernel` with these parameters inside the block (the tuner's trials)."""
+    _forced[kernel] = params.validate()
+    try:
+        yield
+    finally:
+        _forced.pop(kernel, None)
+
+
+def params_for(kernel: str) -> EltwiseParams:
+    """The parameters `kernel` runs with: the tuner's trial, else the registry's tuned ones for
+    this CPU and thread count (`autohc tune --op`), else the default."""
+    if kernel in _forced:
+        return _forced[kernel]
+    from . import registry
+    entry = registry.lookup_op("eltwise", kernel, kernel_threads())
+    if entry is not None:
+        try:
+            p = EltwiseParams(**entry["params"]).validate()
+            if p.isa in cpu.runnable_isas():
+                return p
+        except (ParamError, TypeError):
+            pass            # an invalid entry is ignored, as for GEMMs
+    return default_eltwise()
 
 
 @functools.lru_cache(maxsize=None)
@@ -102,7 +133,7 @@ def _in_threads(fn, ranges):
 
 def _run(name: str, *tensors: torch.Tensor, params: EltwiseParams | None = None) -> torch.Tensor:
     """out = f(*tensors) on contiguous float32 CPU tensors of one shape."""
-    p = params or default_eltwise()
+    p = params or params_for(name)
     lib = library(p)
     fn = getattr(lib.lib, f"{p.symbol}_{name}")
     ffi = lib.ffi
@@ -192,7 +223,7 @@ def _ln_mod(x: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | N
         mean = xd.mean(-1).reshape(-1).to(x.dtype)
         rstd = (xd.var(-1, unbiased=False) + eps).rsqrt().reshape(-1).to(x.dtype)
         return _ln_reference(x, scale, shift, eps), mean, rstd
-    p = default_eltwise()
+    p = params_for("ln_mod_fwd")
     lib = library(p)
     ffi, fn = lib.ffi, getattr(lib.lib, f"{p.symbol}_ln_mod_fwd")
     xc = x.contiguous()
@@ -228,7 +259,7 @@ def _ln_mod_bwd(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None,
         dsc = (dy * xhat).sum(1) if want_scale else x.new_zeros(0)
         dsh = dy.sum(1) if want_shift else x.new_zeros(0)
         return dx, dsc, dsh
-    p = default_eltwise()
+    p = params_for("ln_mod_bwd")
     lib = library(p)
     ffi, fn = lib.ffi, getattr(lib.lib, f"{p.symbol}_ln_mod_bwd")
     dyc, xc = dy.contiguous(), x.contiguous()
@@ -284,7 +315,7 @@ def layernorm_modulate(x: torch.Tensor, scale: torch.Tensor | None = None,
 
 def _rows_call(name: str, *tensors, extra=(), out_like=None):
     """Run a row kernel `name(*ptrs, out, r0, r1, *extra)` over all rows, split over threads."""
-    p = default_eltwise()
+    p = params_for(name)
     lib = library(p)
     ffi, fn = lib.ffi, getattr(lib.lib, f"{p.symbol}_{name}")
     ins = [t.contiguous() for t in tensors]

@@ -70,7 +70,7 @@ class AdamW(torch.optim.Optimizer):
 
 
 def _fused_step(p, g, m, v, lr, b1, b2, eps, wd, bc1, bc2):
-    prm = ops.default_eltwise()
+    prm = ops.params_for("adamw")
     lib = ops.library(prm)
     ffi, fn = lib.ffi, getattr(lib.lib, f"{prm.symbol}_adamw")
     ptrs = [ffi.cast("float *", t.data_ptr()) for t in (p, g, m, v)]

@@ -139,6 +139,48 @@ def record(op: str, layout: str, K: int, N: int, M: int, threads: int, params: G
              "gflops": round(gflops, 2), "torch_gflops": round(torch_gflops, 2),
              "speedup_vs_torch": round(gflops / torch_gflops, 3) if torch_gflops else None,
              "recorded_at": time.time(), **extra}
+    _store(key, entry)
+    return entry
+
+
+def entries_for_this_cpu(op: str | None = None) -> dict:
+    """This CPU's entries, or only those of one op ("gemm", "eltwise")."""
+    entries = load().get(cpu.detect().fingerprint, {})
+    return {k: e for k, e in entries.items() if op is None or k.startswith(f"{op}/")}
+
+
+# ------------------------------------------- element-wise operators (autohc tune --op NAME)
+
+def op_key(op: str, kernel: str, threads: int) -> str:
+    return f"{op}/{kernel}/t{threads}"
+
+
+def record_op(op: str, kernel: str, threads: int, params: dict, ms: float, torch_ms: float,
+              **extra) -> dict:
+    """Store the best parameters (a dict the op's own Params type validates) of a kernel."""
+    info = cpu.detect()
+    entry = {"fingerprint": info.fingerprint, "cpu": info.model, "op": op, "kernel": kernel,
+             "threads": threads, "params": dict(params), "ms": round(ms, 4),
+             "torch_ms": round(torch_ms, 4), "speedup_vs_torch": round(torch_ms / ms, 3) if ms else None,
+             "recorded_at": time.time(), **extra}
+    _store(op_key(op, kernel, threads), entry)
+    return entry
+
+
+def lookup_op(op: str, kernel: str, threads: int) -> dict | None:
+    """The recorded entry of a kernel at this thread count on this CPU, or None (memoised
+    until the registry file changes: this runs on every operator call)."""
+    entries = load().get(cpu.detect().fingerprint, {})
+    key = ("op", op, kernel, threads)
+    lookups = _memo["lookups"]
+    if key not in lookups:
+        lookups[key] = entries.get(op_key(op, kernel, threads))
+    return lookups[key]
+
+
+def _store(key: str, entry: dict) -> None:
+    """Put one entry of this CPU into the file: locked, atomic, a corrupt file kept aside."""
+    info = cpu.detect()
     path = registry_path()
     with _file_lock(path):
         try:
@@ -156,11 +198,6 @@ def record(op: str, layout: str, K: int, N: int, M: int, threads: int, params: G
             data = {"version": VERSION, "entries": {}}
         data["entries"].setdefault(info.fingerprint, {})[key] = entry
         _atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True))
-    return entry
-
-
-def entries_for_this_cpu() -> dict:
-    return dict(load().get(cpu.detect().fingerprint, {}))
 
 
 def layout_of(rsa: int, csa: int, rsb: int, csb: int) -> str | None:

@@ -50,7 +50,7 @@ def convergence(storage_url: str | None, out: Path) -> list[Path]:
 
 def roofline(out: Path) -> Path:
     """Tuned kernels (and torch beside them) against this machine's peak and bandwidth."""
-    entries = registry.entries_for_this_cpu()
+    entries = registry.entries_for_this_cpu("gemm")
     isa = cpu.best_isa()
     peak1 = fma_peak_gflops(isa)
     bw = memory_bandwidth_gbps()

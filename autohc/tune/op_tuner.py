@@ -1,0 +1,85 @@
+"""`autohc tune --op NAME`: the element-wise kernels' parameters (search_spaces/eltwise.yaml)
+searched by measurement, as for GEMMs. The space is small, so Optuna walks all of it (a grid);
+each candidate must first compute what torch computes on the op's DiT-XL/2-sized tensors
+(`autohc bench ops` cases), then it is timed interleaved with torch. The best goes to the
+registry under (CPU, kernel, threads), where autohc.ops picks it up on its next call."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .. import cpu, ops, registry
+from ..bench_ops import _interleaved, op_cases
+from .space import isa_entries, load_space
+
+# the `autohc bench ops` name of an op -> the kernel it times
+OP_KERNELS = {"gelu_tanh": "gelu_tanh_fwd", "gelu_tanh_backward": "gelu_tanh_bwd",
+              "silu": "silu_fwd", "silu_backward": "silu_bwd",
+              "layernorm_modulate": "ln_mod_fwd", "layernorm_modulate_backward": "ln_mod_bwd",
+              "softmax": "softmax_fwd", "softmax_backward": "softmax_bwd",
+              "gated_residual": "gated_residual"}
+
+
+def grid(isa: str) -> dict[str, list]:
+    """{parameter: values} of this back-end from search_spaces/eltwise.yaml."""
+    return {name: list(e["values"]) for name, e in isa_entries(load_space("eltwise"), isa).items()}
+
+
+def _same(a, b) -> bool:
+    a, b = (a, b) if isinstance(a, tuple) else ((a,), (b,))
+    return len(a) == len(b) and all(torch.allclose(u, v, rtol=1e-4, atol=1e-5, equal_nan=True)
+                                    for u, v in zip(a, b))
+
+
+def tune_op(name: str, threads: int | None = None, *, images: int = 8, repeats: int = 5,
+            timeout: float = 60.0, seed: int = 0, progress=None) -> dict:
+    """Tune one operator's kernel; records and returns the best (params, ms, torch_ms)."""
+    import optuna
+    if name not in OP_KERNELS:
+        raise ValueError(f"unknown op {name!r}; one of {', '.join(OP_KERNELS)}")
+    kernel = OP_KERNELS[name]
+    threads = threads or torch.get_num_threads()       # what autohc.ops uses, uninstalled
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _, shape, nbytes, mine, theirs = next(c for c in op_cases(images) if c[0] == name)
+        isa = cpu.best_isa()
+        space = grid(isa)
+        reference = theirs()
+        timings: dict[int, tuple[float, float]] = {}
+
+        def objective(trial) -> float:
+            params = ops.EltwiseParams(isa=isa, **{k: trial.suggest_categorical(k, v) for k, v in space.items()})
+            try:
+                params.validate()
+            except ops.ParamError as e:
+                raise optuna.TrialPruned(str(e)) from None
+            with ops.forced_params(kernel, params):
+                if not _same(mine(), reference):
+                    raise optuna.TrialPruned("wrong result")       # can never win
+                t = _interleaved({"autohc": mine, "torch": theirs}, repeats)
+            timings[trial.number] = (1e3 * t["autohc"], 1e3 * t["torch"])
+            if progress:
+                progress(f"  {name} {params.vl=} {params.unroll=}: {1e3 * t['autohc']:.2f} ms "
+                         f"(torch {1e3 * t['torch']:.2f} ms)")
+            return t["autohc"]
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        study = optuna.create_study(direction="minimize", sampler=optuna.samplers.GridSampler(space, seed=seed))
+        t0 = time.perf_counter()
+        study.optimize(objective, timeout=timeout)
+        done = [t for t in study.trials if t.number in timings]
+        if not done:
+            raise RuntimeError(f"tune --op {name}: no candidate passed the correctness check")
+        best = min(done, key=lambda t: t.value)
+        ms, torch_ms = timings[best.number]
+        entry = registry.record_op("eltwise", kernel, threads, {"isa": isa, **best.params}, ms, torch_ms,
+                                   name=name, shape=shape, trials=len(done),
+                                   seconds=round(time.perf_counter() - t0, 1))
+        return {"op": name, "kernel": kernel, "threads": threads, "params": {"isa": isa, **best.params},
+                "ms": ms, "torch_ms": torch_ms, "speedup_vs_torch": torch_ms / ms,
+                "gbps": nbytes / ms / 1e6, "trials": len(done), "default_ms": timings[0][0] if 0 in timings else None,
+                "recorded_at": entry["recorded_at"]}
+    finally:
+        torch.set_num_threads(old)

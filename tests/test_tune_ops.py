@@ -1,0 +1,57 @@
+"""`autohc tune --op`: element-wise kernels tuned from search_spaces/eltwise.yaml, gated on
+correctness, recorded in the registry and used by autohc.ops."""
+import json
+
+import pytest
+import torch
+
+from autohc import cpu, ops, registry
+from autohc.cli import main
+from autohc.tune import op_tuner
+
+
+@pytest.fixture
+def reg(tmp_path, monkeypatch):
+    path = tmp_path / "registry.json"
+    monkeypatch.setenv("AUTOHC_REGISTRY", str(path))
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield path
+    torch.set_num_threads(old)
+
+
+def test_grid_comes_from_the_yaml():
+    g = op_tuner.grid(cpu.best_isa())
+    assert set(g) == {"vl", "unroll"} and 1 in g["unroll"] and len(g["vl"]) >= 2
+
+
+def test_tune_op_records_and_ops_use_it(reg):
+    assert ops.params_for("silu_fwd") == ops.default_eltwise()
+    r = op_tuner.tune_op("silu", 1, images=1, repeats=1)
+    assert r["trials"] == len(op_tuner.grid(cpu.best_isa())["vl"]) * len(op_tuner.grid(cpu.best_isa())["unroll"])
+    entry = registry.lookup_op("eltwise", "silu_fwd", 1)
+    assert entry["params"] == r["params"] and entry["ms"] > 0 and entry["torch_ms"] > 0
+    assert ops.params_for("silu_fwd") == ops.EltwiseParams(**r["params"])
+    x = torch.randn(300, 1000)
+    torch.testing.assert_close(ops.silu(x), torch.nn.functional.silu(x), rtol=1e-5, atol=5e-6)
+    assert registry.entries_for_this_cpu("gemm") == {}         # export/report see no GEMM here
+
+
+def test_a_wrong_kernel_never_wins(reg, monkeypatch):
+    monkeypatch.setattr(op_tuner, "_same", lambda a, b: False)
+    with pytest.raises(RuntimeError, match="no candidate passed the correctness check"):
+        op_tuner.tune_op("gelu_tanh", 1, images=1, repeats=1)
+    assert registry.lookup_op("eltwise", "gelu_tanh_fwd", 1) is None
+
+
+def test_invalid_registry_entry_falls_back_to_default(reg):
+    registry.record_op("eltwise", "gelu_tanh_fwd", 1, {"isa": cpu.best_isa(), "vl": 5, "unroll": 2}, 1.0, 1.0)
+    assert ops.params_for("gelu_tanh_fwd") == ops.default_eltwise()
+
+
+def test_cli_tune_op(reg, capsys):
+    assert main(["tune", "--op", "gated_residual", "--images", "1", "--threads", "1", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["op"] == "gated_residual" and r["kernel"] == "gated_residual" and r["threads"] == 1
+    assert main(["tune", "--op", "nope"]) == 1
+    assert "unknown op ['nope']" in capsys.readouterr().err
