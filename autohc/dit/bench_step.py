@@ -18,23 +18,18 @@ import torch
 
 from .. import override
 from .diffusion import GaussianDiffusion
-from .model import DiT, config
-from .train import peak_rss_gb
+from .model import config
+from .train import build_model, make_optimizer, peak_rss_gb
 
 
 class _Mode:
     def __init__(self, name: str, model_name: str, batch: int, image_size: int, seed: int = 0):
-        c = config(model_name)
         torch.manual_seed(seed)
         self.name = name
-        self.model = DiT(input_size=image_size, patch_size=c.patch, in_channels=4, hidden_size=c.hidden,
-                         depth=c.depth, num_heads=c.heads, num_classes=1000, learn_sigma=True).train()
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        if name == "autohc":
-            from ..optim import AdamW
-            self.opt = AdamW(params, lr=1e-4, weight_decay=0.0)
-        else:   # torch's default AdamW (foreach), as a stock training script has it
-            self.opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0)
+        self.model = build_model({"model": model_name, "input_size": image_size, "in_channels": 4,
+                                  "num_classes": 1000, "class_dropout": 0.1, "learn_sigma": True}).train()
+        self.opt = make_optimizer([p for p in self.model.parameters() if p.requires_grad], lr=1e-4,
+                                  weight_decay=0.0, use_autohc=name == "autohc")
         self.forward = torch.compile(self.model) if name == "compiled" else self.model
         self.diffusion = GaussianDiffusion()
         self.gen = torch.Generator().manual_seed(seed + 1)

@@ -124,6 +124,13 @@ def _kernels(args):
     return contextlib.nullcontext() if args.no_autohc else autohc.installed()
 
 
+def _generate(model, arch, classes, per_class: int, args, progress: bool):
+    """Samples of `classes` with the sampler, steps, guidance and seed the command was given."""
+    from .sample import generate
+    return generate(model, arch, classes, per_class=per_class, sampler=args.sampler,
+                    steps=args.sample_steps, cfg=args.cfg, seed=args.seed, progress=progress)
+
+
 def cmd_train(args) -> int:
     import torch
     if args.threads:                    # before install(), which takes the count for its kernels
@@ -136,7 +143,7 @@ def _train(args) -> int:
     import torch
     from .. import override
     from . import data as datalib
-    from .sample import generate, plot_losses, save_grid
+    from .sample import plot_losses, save_grid
     from .train import TrainConfig, Trainer
     cfg = TrainConfig(model=args.model, data=args.data, steps=args.steps, batch=args.batch,
                       out=args.out, lr=args.lr, weight_decay=args.weight_decay, ema=args.ema,
@@ -158,9 +165,8 @@ def _train(args) -> int:
     out = Path(args.out)
     plot_losses(trainer.losses, out / "losses.png")
     classes = list(range(min(10, trainer.data.num_classes)))
-    x, _ = generate(trainer.ema.eval(), trainer.arch, classes, per_class=args.samples_per_class,
-                    sampler=args.sampler, steps=args.sample_steps, cfg=args.cfg, seed=args.seed,
-                    progress=not args.no_progress)
+    x, _ = _generate(trainer.ema.eval(), trainer.arch, classes, args.samples_per_class, args,
+                     progress=not args.no_progress)
     save_grid(x, len(classes), out / "samples.png")
     summary.update(out=str(out), losses_png=str(out / "losses.png"), samples_png=str(out / "samples.png"),
                    model=args.model, batch=args.batch, autohc=not args.no_autohc,
@@ -177,12 +183,11 @@ def _train(args) -> int:
 
 
 def cmd_sample(args) -> int:
-    from .sample import generate, load_model, save_grid
+    from .sample import load_model, save_grid
     model, arch, path = load_model(args.ckpt, ema=not args.raw)
     classes = args.classes if args.classes is not None else list(range(min(10, arch["num_classes"])))
     with _kernels(args):
-        x, _ = generate(model, arch, classes, per_class=args.per_class, sampler=args.sampler,
-                        steps=args.sample_steps, cfg=args.cfg, seed=args.seed, progress=True)
+        x, _ = _generate(model, arch, classes, args.per_class, args, progress=True)
     save_grid(x, len(classes), args.out)
     print(f"autohc: {len(x)} samples from {path} -> {args.out}")
     return 0
@@ -190,15 +195,14 @@ def cmd_sample(args) -> int:
 
 def cmd_eval(args) -> int:
     from .evaluate import evaluate_digits
-    from .sample import generate, load_model
+    from .sample import load_model
     model, arch, path = load_model(args.ckpt, ema=not args.raw)
     if (arch["in_channels"], arch["input_size"], arch["num_classes"]) != (1, 8, 10):
         raise ValueError(f"{path}: autohc eval checks digits models (1 x 8 x 8, 10 classes); this one is "
                          f"{arch['in_channels']} x {arch['input_size']} x {arch['input_size']}, "
                          f"{arch['num_classes']} classes")
     with _kernels(args):
-        x, y = generate(model, arch, list(range(10)), per_class=args.per_class, sampler=args.sampler,
-                        steps=args.sample_steps, cfg=args.cfg, seed=args.seed, progress=not args.json)
+        x, y = _generate(model, arch, list(range(10)), args.per_class, args, progress=not args.json)
     r = evaluate_digits(x, y)
     r.update(ckpt=str(path), sampler=args.sampler, sample_steps=args.sample_steps, cfg=args.cfg)
     if args.json:

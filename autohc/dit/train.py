@@ -70,11 +70,12 @@ def ema_update(ema: torch.nn.Module, model: torch.nn.Module, decay: float, step:
             e.mul_(d).add_(p.detach(), alpha=1 - d)
 
 
-def make_optimizer(params, cfg: TrainConfig):
-    if cfg.autohc:
+def make_optimizer(params, *, lr: float, weight_decay: float, use_autohc: bool):
+    """autohc's fused AdamW, or torch's default one (foreach) as a stock script has it."""
+    if use_autohc:
         from ..optim import AdamW
-        return AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return AdamW(params, lr=lr, weight_decay=weight_decay)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
 
 
 def peak_rss_gb() -> float:
@@ -108,7 +109,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.model = build_model(self.arch)
         self.ema = copy.deepcopy(self.model).requires_grad_(False).eval()
-        self.opt = make_optimizer([p for p in self.model.parameters() if p.requires_grad], cfg)
+        self.opt = make_optimizer([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
+                                  weight_decay=cfg.weight_decay, use_autohc=cfg.autohc)
         self.diffusion = GaussianDiffusion()
         self.gen = torch.Generator().manual_seed(cfg.seed + 1)     # timesteps and noise
         self.batches = datalib.Batches(self.data, cfg.batch, seed=cfg.seed, rank=cfg.rank, world=cfg.world)

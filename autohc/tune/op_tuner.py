@@ -74,12 +74,15 @@ def tune_op(name: str, threads: int | None = None, *, images: int = 8, repeats: 
             raise RuntimeError(f"tune --op {name}: no candidate passed the correctness check")
         best = min(done, key=lambda t: t.value)
         ms, torch_ms = timings[best.number]
+        default = ops.default_eltwise(isa)        # the grid's order is random: find its trial
+        default_ms = next((timings[t.number][0] for t in done
+                           if all(t.params[k] == getattr(default, k) for k in space)), None)
         entry = registry.record_op("eltwise", kernel, threads, {"isa": isa, **best.params}, ms, torch_ms,
                                    name=name, shape=shape, trials=len(done),
                                    seconds=round(time.perf_counter() - t0, 1))
         return {"op": name, "kernel": kernel, "threads": threads, "params": {"isa": isa, **best.params},
                 "ms": ms, "torch_ms": torch_ms, "speedup_vs_torch": torch_ms / ms,
-                "gbps": nbytes / ms / 1e6, "trials": len(done), "default_ms": timings[0][0] if 0 in timings else None,
+                "gbps": nbytes / ms / 1e6, "trials": len(done), "default_ms": default_ms,
                 "recorded_at": entry["recorded_at"]}
     finally:
         torch.set_num_threads(old)
