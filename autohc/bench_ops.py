@@ -3,8 +3,8 @@ tokens x hidden, 2048 x 4608 MLP activations, 8 x 16 x 256 x 256 attention score
 torch eager, and autohc.optim.AdamW against torch.optim.AdamW (fused=True and foreach=True)
 over the 675M parameters of DiT-XL/2.
 
-The autohc and torch versions of an op are timed round-robin after a warm-up (median of the
-repeats), each producing a fresh output as in training. Effective GB/s counts the bytes an op
+The autohc and torch versions of an op are timed in alternating blocks after a warm-up (median
+of the repeats; see _interleaved), each producing a fresh output as in training. Effective GB/s counts the bytes an op
 must move at least (inputs read once, outputs written once); % of bandwidth relates it to a
 copy (read + write) measured in the same run with the same threads.
 """
@@ -35,17 +35,22 @@ class OpRow:
     baseline: str           # what torch_ms measured
 
 
-def _interleaved(fns: dict, repeats: int, warmup: int = 2) -> dict[str, float]:
-    """Median seconds of each callable, timed round-robin."""
+def _interleaved(fns: dict, repeats: int, warmup: int = 2, block: int = 3) -> dict[str, float]:
+    """Median seconds of each callable over `repeats` timed calls, in alternating blocks of
+    `block` calls (A A A, B B B, A A A, ...). The first call after a switch is run untimed: torch's
+    OpenMP workers spin for a while after each op and would take the cores from the next
+    block's first call. Within a block each side runs back to back, as in a model."""
     for _ in range(warmup):
         for f in fns.values():
             f()
     ts = {k: [] for k in fns}
-    for _ in range(repeats):
+    while min(len(v) for v in ts.values()) < repeats:
         for k, f in fns.items():
-            t0 = time.perf_counter()
             f()
-            ts[k].append(time.perf_counter() - t0)
+            for _ in range(min(block, repeats - len(ts[k]))):
+                t0 = time.perf_counter()
+                f()
+                ts[k].append(time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in ts.items()}
 
 

@@ -34,6 +34,8 @@ class EltwiseParams:
     isa: str = "avx2"
     vl: int = 8                 # fp32 lanes per vector
     unroll: int = 2             # vectors per loop iteration
+    nt: bool = False            # non-temporal stores for results of 8 MB and more per call
+    threads: int = 0            # threads an op splits over: 0 = all of kernel_threads()
 
     def validate(self) -> "EltwiseParams":
         if self.isa not in ISAS:
@@ -42,17 +44,35 @@ class EltwiseParams:
             raise ParamError(f"vl={self.vl!r}: one of (4, 8, 16)")
         if type(self.unroll) is not int or not 1 <= self.unroll <= 8:
             raise ParamError(f"unroll={self.unroll!r}: an int in [1, 8]")
+        if type(self.nt) is not bool:
+            raise ParamError(f"nt={self.nt!r}: true or false")
+        if type(self.threads) is not int or not 0 <= self.threads <= 1024:
+            raise ParamError(f"threads={self.threads!r}: an int in [0, 1024] (0: all)")
         return self
 
     @property
+    def compiled(self) -> tuple[str, int, int, bool]:
+        """What the generated code depends on (threads is the caller's split)."""
+        return (self.isa, self.vl, self.unroll, self.nt)
+
+    @property
     def symbol(self) -> str:
-        return f"autohc_ew_{self.isa}_{self.vl}_{self.unroll}"
+        return f"autohc_ew_{self.isa}_{self.vl}_{self.unroll}" + ("_nt" if self.nt else "")
+
+    def split_threads(self, elems: int) -> int:
+        """Threads for an op of `elems` elements: one below PARALLEL_MIN, else this op's count
+        (0: all), never more than kernel_threads()."""
+        if elems < PARALLEL_MIN:
+            return 1
+        avail = kernel_threads()
+        return min(self.threads, avail) if self.threads else avail
 
 
 FUNCS = ("gelu_tanh_fwd", "silu_fwd", "tanh_fwd")
 BWD_FUNCS = ("gelu_tanh_bwd", "silu_bwd")
 
 
+@functools.lru_cache(maxsize=None)
 def default_eltwise(isa: str | None = None) -> EltwiseParams:
     isa = isa or cpu.best_isa()
     return EltwiseParams(isa=isa, vl={"avx512": 16, "avx2": 8}.get(isa, 4), unroll=2).validate()
@@ -88,10 +108,16 @@ def params_for(kernel: str) -> EltwiseParams:
     return default_eltwise()
 
 
-@functools.lru_cache(maxsize=None)
 def library(params: EltwiseParams):
-    p = params.validate()
-    src = environment().get_template("ops/eltwise.c.j2").render(**asdict(p), sym=p.symbol)
+    """The compiled kernels of these parameters (built once per compiled set)."""
+    return _library(*params.validate().compiled)
+
+
+@functools.lru_cache(maxsize=None)
+def _library(isa: str, vl: int, unroll: int, nt: bool):
+    p = EltwiseParams(isa=isa, vl=vl, unroll=unroll, nt=nt).validate()
+    src = environment().get_template("ops/eltwise.c.j2").render(
+        isa=p.isa, vl=p.vl, unroll=p.unroll, nt=p.nt, sym=p.symbol)
     cdef = "".join(f"void {p.symbol}_{f}(const float *x, float *y, int64_t n);\n" for f in FUNCS)
     cdef += "".join(f"void {p.symbol}_{f}(const float *g, const float *x, float *dx, int64_t n);\n"
                     for f in BWD_FUNCS)
@@ -103,6 +129,9 @@ def library(params: EltwiseParams):
              "int64_t b0, int64_t b1, int64_t D, int64_t T);\n"
              f"void {p.symbol}_adamw(float *p, const float *g, float *m, float *v, int64_t n, "
              "float lr, float b1, float b2, float eps, float wd, float bc1, float bc2);\n"
+             f"void {p.symbol}_adamw_multi(float *const *p, const float *const *g, float *const *m, "
+             "float *const *v, const int64_t *n, int64_t count, int64_t start, int64_t stop, "
+             "float lr, float b1, float b2, float eps, float wd, float bc1, float bc2);\n"
              f"void {p.symbol}_gated_residual(const float *x, const float *y, const float *gate, "
              "float *out, int64_t r0, int64_t r1, int64_t D, int64_t T);\n"
              f"void {p.symbol}_softmax_fwd(const float *x, float *y, int64_t r0, int64_t r1, int64_t D);\n"
@@ -110,7 +139,7 @@ def library(params: EltwiseParams):
              "int64_t r1, int64_t D);\n")
     # -fno-math-errno: sqrt becomes one vector instruction (the AdamW moments are never < 0)
     lib = build(src, cdef, (*ISAS[p.isa].cflags, "-fno-math-errno"),
-                meta={"op": "eltwise", "params": asdict(p)})
+                meta={"op": "eltwise", "params": {k: v for k, v in asdict(p).items() if k != "threads"}})
     return lib
 
 
@@ -142,7 +171,7 @@ def _run(name: str, *tensors: torch.Tensor, params: EltwiseParams | None = None)
     n = out.numel()
     ptrs = [ffi.cast("float *", t.data_ptr()) for t in ins]
     optr = ffi.cast("float *", out.data_ptr())
-    threads = kernel_threads() if n >= PARALLEL_MIN else 1
+    threads = p.split_threads(n)
     # whole cache lines (64 floats) per thread
     bounds = [min(n, -(-n * i // threads // 64) * 64) for i in range(threads + 1)]
     _in_threads(lambda a, b: fn(*[q + a for q in ptrs], optr + a, b - a),
@@ -234,8 +263,7 @@ def _ln_mod(x: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | N
     rstd = torch.empty(B * T)
     ptr = lambda t: ffi.cast("float *", t.data_ptr()) if t is not None else ffi.NULL  # noqa: E731
     args = (ptr(xc), ptr(sc), ptr(sh), ptr(y), ptr(mean), ptr(rstd))
-    threads = kernel_threads() if x.numel() >= PARALLEL_MIN else 1
-    _in_threads(lambda r0, r1: fn(*args, r0, r1, D, T, float(eps)), _split(B * T, threads))
+    _in_threads(lambda r0, r1: fn(*args, r0, r1, D, T, float(eps)), _split(B * T, p.split_threads(x.numel())))
     return y, mean, rstd
 
 
@@ -270,8 +298,7 @@ def _ln_mod_bwd(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None,
     ptr = lambda t: ffi.cast("float *", t.data_ptr()) if t is not None and t.numel() else ffi.NULL  # noqa: E731
     args = (ptr(dyc), ptr(xc), ptr(sc), ptr(mean.contiguous()), ptr(rstd.contiguous()), ptr(dx),
             ptr(dscale), ptr(dshift))
-    threads = kernel_threads() if x.numel() >= PARALLEL_MIN else 1
-    _in_threads(lambda b0, b1: fn(*args, b0, b1, D, T), _split(B, threads))
+    _in_threads(lambda b0, b1: fn(*args, b0, b1, D, T), _split(B, p.split_threads(x.numel())))
     return dx, dscale, dshift
 
 
@@ -322,8 +349,7 @@ def _rows_call(name: str, *tensors, extra=(), out_like=None):
     out = _fresh_like(out_like if out_like is not None else ins[0])
     rows = out.numel() // out.shape[-1] if out.dim() else 1
     ptrs = [ffi.cast("float *", t.data_ptr()) for t in ins] + [ffi.cast("float *", out.data_ptr())]
-    threads = kernel_threads() if out.numel() >= PARALLEL_MIN else 1
-    _in_threads(lambda r0, r1: fn(*ptrs, r0, r1, *extra), _split(rows, threads))
+    _in_threads(lambda r0, r1: fn(*ptrs, r0, r1, *extra), _split(rows, p.split_threads(out.numel())))
     return out
 
 

@@ -1,7 +1,8 @@
 """`autohc.optim.AdamW`: torch.optim.AdamW with a fused, generated step kernel.
 
-One pass per tensor reads the parameter, gradient and both moments once and writes them once
-(templates/ops/eltwise.c.j2 `adamw`), split over autohc.override.kernel_threads() threads
+One pass reads each parameter, gradient and both moments once and writes them once
+(templates/ops/eltwise.c.j2 `adamw_multi`): one call per thread takes its share of all the
+group's tensors, split over autohc.override.kernel_threads() threads
 (install()'s count while installed, else torch.get_num_threads()). Same
 hyper-parameters and state (`step`, `exp_avg`, `exp_avg_sq`) as torch.optim.AdamW, so
 state_dicts move between the two. Tensors the kernel does not take (not float32, not
@@ -12,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from .override import kernel_threads
 
 
 class AdamW(torch.optim.Optimizer):
@@ -40,6 +40,7 @@ class AdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             slow = []
+            by_step: dict[float, list] = {}     # tensors with the same step share bias corrections
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -51,13 +52,14 @@ class AdamW(torch.optim.Optimizer):
                     st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 st["step"] += 1
-                t = float(st["step"])
                 tensors = (p, p.grad, st["exp_avg"], st["exp_avg_sq"])
                 if all(x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous()
                        for x in tensors) and p.numel() > 0:
-                    _fused_step(*tensors, lr, b1, b2, eps, wd, 1 - b1 ** t, 1 - b2 ** t)
+                    by_step.setdefault(float(st["step"]), []).append(tensors)
                 else:
                     slow.append(p)
+            for t, bucket in by_step.items():   # one kernel call per thread for the lot
+                _fused_step(bucket, lr, b1, b2, eps, wd, 1 - b1 ** t, 1 - b2 ** t)
             if slow:                    # torch's own single-tensor AdamW for the rest
                 from torch.optim.adamw import adamw as torch_adamw
                 torch_adamw([p for p in slow], [p.grad for p in slow],
@@ -69,15 +71,20 @@ class AdamW(torch.optim.Optimizer):
         return loss
 
 
-def _fused_step(p, g, m, v, lr, b1, b2, eps, wd, bc1, bc2):
+def _fused_step(tensors, lr, b1, b2, eps, wd, bc1, bc2):
+    """One AdamW step over [(param, grad, exp_avg, exp_avg_sq), ...]: their concatenation is
+    split evenly over the threads (adamw_multi), whole cache lines each."""
     prm = ops.params_for("adamw")
     lib = ops.library(prm)
-    ffi, fn = lib.ffi, getattr(lib.lib, f"{prm.symbol}_adamw")
-    ptrs = [ffi.cast("float *", t.data_ptr()) for t in (p, g, m, v)]
-    n = p.numel()
-    threads = kernel_threads() if n >= ops.PARALLEL_MIN else 1
-    chunks = ops._split(n, threads)
+    ffi, fn = lib.ffi, getattr(lib.lib, f"{prm.symbol}_adamw_multi")
+    cols = [ffi.new("float *[]", [ffi.cast("float *", ts[i].data_ptr()) for ts in tensors])
+            for i in range(4)]
+    sizes = [ts[0].numel() for ts in tensors]
+    n = ffi.new("int64_t[]", sizes)
+    total = sum(sizes)
+    threads = prm.split_threads(total)
+    bounds = [min(total, -(-total * i // threads // 64) * 64) for i in range(threads + 1)]
 
     def run(a, b):
-        fn(ptrs[0] + a, ptrs[1] + a, ptrs[2] + a, ptrs[3] + a, b - a, lr, b1, b2, eps, wd, bc1, bc2)
-    ops._in_threads(run, chunks)
+        fn(*cols, n, len(sizes), a, b, lr, b1, b2, eps, wd, bc1, bc2)
+    ops._in_threads(run, [(a, b) for a, b in zip(bounds, bounds[1:]) if a < b])

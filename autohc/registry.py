@@ -24,7 +24,9 @@ from .codegen import GemmParams, ParamError
 
 VERSION = 1
 _lock = threading.Lock()
-_memo: dict = {"path": None, "mtime": None, "data": None, "lookups": {}}
+_memo: dict = {"path": None, "mtime": None, "data": None, "lookups": {}, "env": None,
+         "checked": -1.0}
+RECHECK_S = 0.5     # how often load() stats the file: operators look up on every call
 
 
 def registry_path() -> Path:
@@ -70,7 +72,12 @@ def _read(path: Path) -> dict:
 
 
 def load() -> dict:
-    """All entries (memoised on the file's mtime, so lookups in a hot loop cost a stat)."""
+    """All entries, memoised on the file's mtime; the file is stat'ed at most every RECHECK_S
+    (a write from this process is seen at once; another process's within RECHECK_S)."""
+    env = tuple(os.environ.get(k) for k in ("AUTOHC_REGISTRY", "AUTOHC_CACHE_DIR", "XDG_CACHE_HOME"))
+    now = time.monotonic()
+    if env == _memo["env"] and now - _memo["checked"] < RECHECK_S:
+        return _memo["data"]
     path = registry_path()
     try:
         mtime = path.stat().st_mtime_ns
@@ -79,7 +86,13 @@ def load() -> dict:
     with _lock:
         if _memo["path"] != path or _memo["mtime"] != mtime:
             _memo.update(path=path, mtime=mtime, data=_read(path) if mtime else {}, lookups={})
+        _memo.update(env=env, checked=now)
         return _memo["data"]
+
+
+def forget() -> None:
+    """Make the next load() read the file's state (after this process changed it)."""
+    _memo["checked"] = -1.0
 
 
 def _valid(entry: dict, fingerprint: str) -> GemmParams | None:
@@ -198,6 +211,7 @@ def _store(key: str, entry: dict) -> None:
             data = {"version": VERSION, "entries": {}}
         data["entries"].setdefault(info.fingerprint, {})[key] = entry
         _atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True))
+    forget()
 
 
 def layout_of(rsa: int, csa: int, rsb: int, csb: int) -> str | None:

@@ -262,17 +262,48 @@ def test_gated_residual_forward_backward_and_bad_shapes():
         ops.gated_residual(torch.randn(2, 3, 4), torch.randn(2, 3, 4), torch.randn(3, 4))
 
 
-def test_fresh_results_ask_for_huge_pages_on_their_aligned_inside(monkeypatch):
-    from autohc import memory
-    calls = []
-    memory._madvise.cache_clear()
-    monkeypatch.setattr(memory, "_madvise", lambda: (lambda a, n, adv: calls.append((a, n, adv)) or 0))
-    small = memory.fresh_like(torch.randn(10, 10).t())
-    assert small.shape == (10, 10) and small.is_contiguous() and calls == []
-    big = memory.fresh_empty(1024, 4096)                     # 16 MB
-    (a, n, adv), = calls
-    assert adv == memory.MADV_HUGEPAGE and a % memory.HUGE == 0 and n % memory.HUGE == 0
-    assert big.data_ptr() <= a and a + n <= big.data_ptr() + big.nbytes and n >= big.nbytes - 2 * memory.HUGE
-    x = torch.randn(1024, 4096)                             # and a kernel result through it is right
-    torch.testing.assert_close(autohc.ops.gelu_tanh(x), torch.nn.functional.gelu(x, approximate="tanh"),
-                               rtol=1e-5, atol=2e-6)
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+@pytest.mark.parametrize("vl", [4, 8, 16])
+def test_streaming_stores_give_the_same_bits(isa, vl):
+    """nt=True (non-temporal stores from 8 MB per call) on an output that starts off the vector
+    alignment, a ragged length and the row kernels: bit for bit what nt=False writes."""
+    if isa not in ISAS:
+        pytest.skip(f"this CPU cannot run {isa}")
+    plain = ops.EltwiseParams(isa=isa, vl=vl, unroll=2, nt=False, threads=1)
+    stream = ops.EltwiseParams(isa=isa, vl=vl, unroll=2, nt=True, threads=1)
+    n = (9 << 20) // 4 + 13                                   # 9 MB + a ragged tail
+    torch.manual_seed(vl)
+    x, g = torch.randn(n) * 4, torch.randn(n)
+    for name, ins in (("gelu_tanh_fwd", (x,)), ("silu_bwd", (g, x))):
+        outs = []
+        for p in (plain, stream):
+            lib = ops.library(p)
+            fn, ffi = getattr(lib.lib, f"{p.symbol}_{name}"), lib.ffi
+            buf = torch.full((n + 8,), float("nan"))
+            for off in (0, 3):                                # aligned and misaligned output
+                fn(*[ffi.cast("float *", t.data_ptr()) for t in ins],
+                   ffi.cast("float *", buf.data_ptr()) + off, n)
+                outs.append(buf[off:off + n].clone())
+        assert all(torch.equal(outs[0], o) for o in outs[1:]), name
+    B, T, D = 8, 256, 1152                                    # 9.4 MB rows: above the threshold
+    xs, ys = torch.randn(B, T, D), torch.randn(B, T, D)
+    sc, sh = torch.randn(B, D) * 0.1, torch.randn(B, D) * 0.1
+    att = torch.randn(B * 4, T, T)
+    cases = {"ln_mod_fwd": lambda: ops.layernorm_modulate(xs, sc, sh),
+             "gated_residual": lambda: ops.gated_residual(xs, ys, sc),
+             "softmax_fwd": lambda: ops.softmax(att),
+             "softmax_bwd": lambda: ops.softmax_backward(att, att)}
+    for kernel, run in cases.items():
+        got = []
+        for p in (plain, stream):
+            with ops.forced_params(kernel, p):
+                got.append(run())
+        assert torch.equal(got[0], got[1]), kernel
+    xl = xs.clone().requires_grad_()
+    grads = []
+    for p in (plain, stream):
+        with ops.forced_params("ln_mod_bwd", p):
+            xl.grad = None
+            (ops.layernorm_modulate(xl, sc, sh) * ys).sum().backward()
+            grads.append(xl.grad.clone())
+    assert torch.equal(grads[0], grads[1])

@@ -83,3 +83,31 @@ def test_rejects_what_it_does_not_do():
         O.AdamW(p, amsgrad=True)
     with pytest.raises(ValueError, match="learning rate"):
         O.AdamW(p, lr=-1)
+
+
+def test_many_tensors_split_across_threads_and_different_steps():
+    """One adamw_multi call per thread covers tensors of every size, the thread boundaries
+    falling inside tensors; a parameter without a gradient at first has its own step count."""
+    torch.manual_seed(3)
+    sizes = [1, 3, 17, 64, 1000, 70001, 5, 200_003, 2]
+    ps = [torch.nn.Parameter(torch.randn(s)) for s in sizes]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    ours = O.AdamW(ps, lr=1e-2, weight_decay=0.1)
+    theirs = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for step in range(4):
+            for i, (p, q) in enumerate(zip(ps, ref)):
+                if step == 0 and i == 4:                     # no gradient on the first step
+                    p.grad = q.grad = None
+                    continue
+                g = torch.randn(p.shape)
+                p.grad, q.grad = g.clone(), g.clone()
+            ours.step()
+            theirs.step()
+    finally:
+        torch.set_num_threads(old)
+    assert float(ours.state[ps[4]]["step"]) == 3.0 and float(ours.state[ps[0]]["step"]) == 4.0
+    for p, q in zip(ps, ref):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)

@@ -1,6 +1,7 @@
 """`autohc tune --op`: element-wise kernels tuned from search_spaces/eltwise.yaml, gated on
 correctness, recorded in the registry and used by autohc.ops."""
 import json
+import math
 
 import pytest
 import torch
@@ -21,14 +22,19 @@ def reg(tmp_path, monkeypatch):
 
 
 def test_grid_comes_from_the_yaml():
-    g = op_tuner.grid(cpu.best_isa())
-    assert set(g) == {"vl", "unroll"} and 1 in g["unroll"] and len(g["vl"]) >= 2
+    isa = cpu.best_isa()
+    g = op_tuner.grid(isa, 4)
+    assert {"vl", "unroll", "threads"} <= set(g) and 1 in g["unroll"] and len(g["vl"]) >= 2
+    assert g["threads"] == [0, 1, 2]                     # all (0), or a part of the 4
+    assert op_tuner.grid(isa, 1)["threads"] == [0]
+    if isa in ("avx2", "avx512"):
+        assert g["nt"] == [False, True]
 
 
 def test_tune_op_records_and_ops_use_it(reg):
     assert ops.params_for("silu_fwd") == ops.default_eltwise()
     r = op_tuner.tune_op("silu", 1, images=1, repeats=1)
-    assert r["trials"] == len(op_tuner.grid(cpu.best_isa())["vl"]) * len(op_tuner.grid(cpu.best_isa())["unroll"])
+    assert r["trials"] == math.prod(len(v) for v in op_tuner.grid(cpu.best_isa(), 1).values())
     entry = registry.lookup_op("eltwise", "silu_fwd", 1)
     assert entry["params"] == r["params"] and entry["ms"] > 0 and entry["torch_ms"] > 0
     assert ops.params_for("silu_fwd") == ops.EltwiseParams(**r["params"])

@@ -21,9 +21,13 @@ OP_KERNELS = {"gelu_tanh": "gelu_tanh_fwd", "gelu_tanh_backward": "gelu_tanh_bwd
               "gated_residual": "gated_residual"}
 
 
-def grid(isa: str) -> dict[str, list]:
-    """{parameter: values} of this back-end from search_spaces/eltwise.yaml."""
-    return {name: list(e["values"]) for name, e in isa_entries(load_space("eltwise"), isa).items()}
+def grid(isa: str, threads: int) -> dict[str, list]:
+    """{parameter: values} of this back-end from search_spaces/eltwise.yaml; a split over more
+    threads than `threads`, or the same as all of them (0), is left out."""
+    out = {name: list(e["values"]) for name, e in isa_entries(load_space("eltwise"), isa).items()}
+    if "threads" in out:
+        out["threads"] = [t for t in out["threads"] if t == 0 or t < threads]
+    return out
 
 
 def _same(a, b) -> bool:
@@ -45,7 +49,7 @@ def tune_op(name: str, threads: int | None = None, *, images: int = 8, repeats: 
     try:
         _, shape, nbytes, mine, theirs = next(c for c in op_cases(images) if c[0] == name)
         isa = cpu.best_isa()
-        space = grid(isa)
+        space = grid(isa, threads)
         reference = theirs()
         timings: dict[int, tuple[float, float]] = {}
 
@@ -61,7 +65,8 @@ def tune_op(name: str, threads: int | None = None, *, images: int = 8, repeats: 
                 t = _interleaved({"autohc": mine, "torch": theirs}, repeats)
             timings[trial.number] = (1e3 * t["autohc"], 1e3 * t["torch"])
             if progress:
-                progress(f"  {name} {params.vl=} {params.unroll=}: {1e3 * t['autohc']:.2f} ms "
+                knobs = " ".join(f"{k}={getattr(params, k)}" for k in space)
+                progress(f"  {name} {knobs}: {1e3 * t['autohc']:.2f} ms "
                          f"(torch {1e3 * t['torch']:.2f} ms)")
             return t["autohc"]
 

@@ -1,0 +1,126 @@
+"""autohc.memory: the result pool (reuse, no sharing between live tensors, cap, huge-page
+alignment and advice, fork safety, threads) and its settings."""
+import os
+import threading
+
+import pytest
+import torch
+
+import autohc
+from autohc import memory, ops
+
+
+@pytest.fixture
+def pool(monkeypatch):
+    """A fresh pool of 256 MB for the test, so hits and misses are the test's own."""
+    p = memory.BufferPool(256 << 20)
+    monkeypatch.setattr(memory, "pool", p)
+    return p
+
+
+def test_freed_result_is_reused_and_live_ones_never_share(pool):
+    a = memory.fresh_empty(512, 1024)                        # 2 MB
+    ptr = a.data_ptr()
+    b = memory.fresh_empty(512, 1024)
+    assert b.data_ptr() != ptr and pool.misses == 2 and pool.hits == 0
+    del a
+    assert pool.free_bytes == 2 << 20
+    c = memory.fresh_empty(1024, 512)                        # same size class, other shape
+    assert c.data_ptr() == ptr and c.shape == (1024, 512) and pool.hits == 1
+    c.fill_(1.0)
+    b.fill_(2.0)
+    assert c.sum().item() == c.numel() and b.sum().item() == 2 * b.numel()
+    view = c[3:5]                                           # a view keeps the block in use
+    del c
+    assert pool.free_bytes == 0
+    d = memory.fresh_empty(512, 1024)
+    assert d.data_ptr() != ptr and view.sum().item() == view.numel()
+    del view
+    assert pool.free_bytes == 2 << 20
+
+
+def test_small_results_bypass_the_pool_and_cap_is_kept(pool, monkeypatch):
+    small = memory.fresh_like(torch.randn(10, 10).t())
+    assert small.shape == (10, 10) and small.is_contiguous() and pool.misses == 0
+    monkeypatch.setattr(pool, "cap_bytes", 3 << 20)
+    a, b = memory.fresh_empty(1 << 19), memory.fresh_empty(1 << 19)     # 2 MB each
+    del a, b
+    assert pool.free_bytes == 2 << 20                      # the second would pass the cap
+    pool.clear()
+    assert pool.free_bytes == 0
+    monkeypatch.setattr(pool, "cap_bytes", 0)               # AUTOHC_POOL_MB=0: pool off
+    assert isinstance(memory.fresh_empty(1 << 20).untyped_storage(), torch.UntypedStorage)
+    assert pool.misses == 2
+
+
+def test_large_blocks_start_on_a_huge_page_and_ask_for_huge_pages(pool, monkeypatch):
+    calls = []
+    monkeypatch.setattr(memory, "_madvise", lambda: (lambda a, n, adv: calls.append((a, n, adv)) or 0))
+    big = memory.fresh_empty(1024, 4096)                     # 16 MB
+    (a, n, adv), = calls
+    assert adv == memory.MADV_HUGEPAGE and a == big.data_ptr() and a % memory.HUGE == 0
+    assert n == big.nbytes
+    del big
+    again = memory.fresh_empty(1024, 4096)                   # warm block: no second advice
+    assert len(calls) == 1 and again.data_ptr() == a
+    x = torch.randn(1024, 4096)                             # and a kernel result through it is right
+    torch.testing.assert_close(ops.gelu_tanh(x), torch.nn.functional.gelu(x, approximate="tanh"),
+                               rtol=1e-5, atol=2e-6)
+
+
+def test_pool_results_behave_as_torch_tensors(pool, tmp_path):
+    x = torch.randn(300, 1000, requires_grad=True)           # 1.2 MB results
+    y = ops.gelu_tanh(x)
+    assert y.data_ptr() % 64 == 0 and pool.misses >= 1
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.ops.aten.gelu_backward(torch.ones_like(x), x.detach(),
+                                                                    approximate="tanh"))
+    torch.save({"y": y.detach()}, tmp_path / "y.pt")
+    torch.testing.assert_close(torch.load(tmp_path / "y.pt")["y"], y.detach())
+    assert y.detach().numpy().shape == (300, 1000)
+    z = y.detach().clone()
+    z += 1
+    torch.testing.assert_close(z - 1, y.detach())
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_forked_child_writes_do_not_reach_the_parent(pool):
+    t = memory.fresh_empty(1 << 19)
+    t.fill_(1.0)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:        # child: write (numpy: torch's OpenMP pool is not fork-safe), report, leave
+        a = t.numpy()
+        a[:] = 7.0
+        os.write(w, b"1" if a[0] == 7.0 else b"0")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(r, 1) == b"1"
+    assert t.min().item() == 1.0 and t.max().item() == 1.0
+
+
+def test_threads_never_get_the_same_live_block(pool):
+    errors = []
+
+    def worker(k):
+        for i in range(40):
+            t = memory.fresh_empty(1 << 18)                  # 1 MB
+            t.fill_(float(k))
+            if t.min().item() != k or t.max().item() != k:
+                errors.append((k, i))
+
+    ts = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert errors == [] and pool.hits > 0
+
+
+def test_pool_size_from_environment(monkeypatch):
+    monkeypatch.setenv("AUTOHC_POOL_MB", "64")
+    assert memory._pool_mb_from_env() == 64
+    for bad in ("lots", "-1", "1.5"):
+        monkeypatch.setenv("AUTOHC_POOL_MB", bad)
+        with pytest.raises(ValueError, match="AUTOHC_POOL_MB"):
+            memory._pool_mb_from_env()
