@@ -253,7 +253,7 @@ def cmd_tune(args, parser) -> int:
             hit = None if args.force else registry.lookup("gemm", p.layout, p.K, p.N, p.M, threads,
                                                           exact=True)
             if hit and hit[1].get("M") == p.M and hit[0].isa == cpu.best_isa():
-                r = TuneResult.from_registry(p, threads, *hit)      # no torch, no optuna
+                r = TuneResult.from_entry(p, threads, *hit)      # no torch, no optuna
                 results.append(r)
                 if args.json:
                     print(json.dumps(r.to_json()), flush=True)

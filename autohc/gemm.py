@@ -16,7 +16,7 @@ import numpy as np
 
 from . import cpu
 from .build import Library, build
-from .codegen import GemmParams, ParamError, default_params, gemm_cdef, render_gemm
+from .codegen import GemmParams, default_params, gemm_cdef, render_gemm
 from .codegen.params import ISAS, MAX_THREADS
 
 try:  # torch is a dependency, but keep numpy-only use possible

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import torch
 
-from . import cpu
+from . import cpu, numa
 from .build import build
 from .codegen.params import ISAS, ParamError
 from .codegen.render import environment
@@ -123,10 +124,11 @@ def _library(isa: str, vl: int, unroll: int, nt: bool):
                     for f in BWD_FUNCS)
     cdef += (f"void {p.symbol}_ln_mod_fwd(const float *x, const float *scale, const float *shift, "
              "float *y, float *mean_out, float *rstd_out, int64_t r0, int64_t r1, int64_t D, "
-             "int64_t T, float eps);\n"
+             "int64_t T, float eps, int plus_one);\n"
              f"void {p.symbol}_ln_mod_bwd(const float *dy, const float *x, const float *scale, "
              "const float *mean, const float *rstd, float *dx, float *dscale, float *dshift, "
-             "int64_t b0, int64_t b1, int64_t D, int64_t T);\n"
+             "int64_t b0, int64_t b1, int64_t D, int64_t T, int64_t rows, int64_t sstride, "
+             "int plus_one);\n"
              f"void {p.symbol}_adamw(float *p, const float *g, float *m, float *v, int64_t n, "
              "float lr, float b1, float b2, float eps, float wd, float bc1, float bc2);\n"
              f"void {p.symbol}_adamw_multi(float *const *p, const float *const *g, float *const *m, "
@@ -153,10 +155,16 @@ def _split(n: int, parts: int) -> list[tuple[int, int]]:
 
 
 def _in_threads(fn, ranges):
+    """fn(a, b) for each range, one thread each; on several NUMA nodes, range i runs on its
+    node's CPUs (autohc.numa), so the result's pages it writes first are local to it."""
     if len(ranges) == 1:
         fn(*ranges[0])
         return
-    for j in [_pool(len(ranges)).submit(fn, a, b) for a, b in ranges]:
+
+    def part(i, a, b):
+        numa.pin(i, len(ranges))
+        fn(a, b)
+    for j in [_pool(len(ranges)).submit(part, i, a, b) for i, (a, b) in enumerate(ranges)]:
         j.result()
 
 
@@ -252,18 +260,22 @@ def _ln_mod(x: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | N
         mean = xd.mean(-1).reshape(-1).to(x.dtype)
         rstd = (xd.var(-1, unbiased=False) + eps).rsqrt().reshape(-1).to(x.dtype)
         return _ln_reference(x, scale, shift, eps), mean, rstd
+    return _ln_fwd_kernel(x.contiguous(), scale.contiguous() if scale is not None else None,
+                          shift.contiguous() if shift is not None else None, B * T, D, T, eps, 1)
+
+
+def _ln_fwd_kernel(xc, sc, sh, rows: int, D: int, T: int, eps: float, plus_one: int):
+    """ln_mod_fwd over `rows` rows of D (contiguous float32); scale/shift per T rows."""
     p = params_for("ln_mod_fwd")
     lib = library(p)
     ffi, fn = lib.ffi, getattr(lib.lib, f"{p.symbol}_ln_mod_fwd")
-    xc = x.contiguous()
-    sc = scale.contiguous() if scale is not None else None
-    sh = shift.contiguous() if shift is not None else None
     y = _fresh_like(xc)
-    mean = torch.empty(B * T)
-    rstd = torch.empty(B * T)
+    mean = torch.empty(rows)
+    rstd = torch.empty(rows)
     ptr = lambda t: ffi.cast("float *", t.data_ptr()) if t is not None else ffi.NULL  # noqa: E731
     args = (ptr(xc), ptr(sc), ptr(sh), ptr(y), ptr(mean), ptr(rstd))
-    _in_threads(lambda r0, r1: fn(*args, r0, r1, D, T, float(eps)), _split(B * T, p.split_threads(x.numel())))
+    _in_threads(lambda r0, r1: fn(*args, r0, r1, D, T, float(eps), plus_one),
+                _split(rows, p.split_threads(xc.numel())))
     return y, mean, rstd
 
 
@@ -298,7 +310,7 @@ def _ln_mod_bwd(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None,
     ptr = lambda t: ffi.cast("float *", t.data_ptr()) if t is not None and t.numel() else ffi.NULL  # noqa: E731
     args = (ptr(dyc), ptr(xc), ptr(sc), ptr(mean.contiguous()), ptr(rstd.contiguous()), ptr(dx),
             ptr(dscale), ptr(dshift))
-    _in_threads(lambda b0, b1: fn(*args, b0, b1, D, T), _split(B, p.split_threads(x.numel())))
+    _in_threads(lambda b0, b1: fn(*args, b0, b1, D, T, B * T, D, 1), _split(B, p.split_threads(x.numel())))
     return dx, dscale, dshift
 
 
@@ -452,8 +464,80 @@ def aten_softmax_backward(grad, out, dim, input_dtype):
                                                      grad_input=grad.new_empty(0))
 
 
+def _ln_served(x, normalized_shape, *affine) -> bool:
+    """float32, non-empty, shapes as LayerNorm wants (a non-contiguous x is copied: ATen's
+    LayerNorm makes it contiguous too, and its results are contiguous either way)."""
+    nd = len(normalized_shape)
+    shape = tuple(normalized_shape)
+    return (nd >= 1 and x.dim() >= nd and _fast(x) and x.numel() > 0
+            and tuple(x.shape[x.dim() - nd:]) == shape
+            and all(t is None or (_fast(t) and tuple(t.shape) == shape) for t in affine))
+
+
+def _ln_as_group_norm(x, normalized_shape):
+    """(x as rows x D x 1, rows, D): LayerNorm over D is GroupNorm with one group over D
+    channels, which ATen still computes itself while LayerNorm is autohc's (its .out form
+    calls back into the overridden kernel)."""
+    D = math.prod(normalized_shape)
+    rows = x.numel() // D if D else 0
+    return x.reshape(rows, D, 1), rows, D
+
+
+def aten_native_layer_norm(x, normalized_shape, weight, bias, eps):
+    """torch's LayerNorm (any normalized_shape over contiguous trailing dims, with or without
+    weight and bias): the ln_mod_fwd kernel with the weight as its scale (plus_one 0)."""
+    nd = len(normalized_shape)
+    stat = tuple(x.shape[:x.dim() - nd]) + (1,) * nd
+    if _ln_served(x, normalized_shape, weight, bias):
+        D = math.prod(normalized_shape)
+        rows = x.numel() // D
+        y, mean, rstd = _ln_fwd_kernel(x.contiguous(), weight, bias, rows, D, rows, eps, 0)
+        return y.view(x.shape), mean.view(stat), rstd.view(stat)
+    x3, rows, D = _ln_as_group_norm(x, normalized_shape)
+    w = weight.reshape(D) if weight is not None else None
+    b = bias.reshape(D) if bias is not None else None
+    y, mean, rstd = torch.ops.aten.native_group_norm(x3, w, b, rows, D, 1, 1, eps)
+    return y.view(x.shape), mean.view(stat), rstd.view(stat)
+
+
+def aten_native_layer_norm_backward(grad, x, normalized_shape, mean, rstd, weight, bias, mask):
+    """Its backward: each thread takes a block of rows (a "sample" of ln_mod_bwd with a shared
+    weight) and writes partial dweight / dbias, added up here."""
+    if _ln_served(x, normalized_shape, weight) and _fast(grad, x) \
+            and all(t.dtype == torch.float32 and t.is_contiguous() for t in (mean, rstd)):
+        grad, x = grad.contiguous(), x.contiguous()
+        D = math.prod(normalized_shape)
+        rows = x.numel() // D
+        p = params_for("ln_mod_bwd")
+        threads = p.split_threads(x.numel())
+        T = -(-rows // threads)
+        B = -(-rows // T)
+        lib = library(p)
+        ffi, fn = lib.ffi, getattr(lib.lib, f"{p.symbol}_ln_mod_bwd")
+        dx = _fresh_like(x)
+        dw = torch.empty(B, D) if mask[1] else None
+        db = torch.empty(B, D) if mask[2] else None
+        ptr = lambda t: ffi.cast("float *", t.data_ptr()) if t is not None else ffi.NULL  # noqa: E731
+        args = (ptr(grad), ptr(x), ptr(weight), ptr(mean), ptr(rstd), ptr(dx), ptr(dw), ptr(db))
+        _in_threads(lambda b0, b1: fn(*args, b0, b1, D, T, rows, 0, 0), _split(B, threads))
+        shape = tuple(normalized_shape)
+        return (dx.view(x.shape) if mask[0] else None,
+                dw.sum(0).view(shape) if dw is not None else None,
+                db.sum(0).view(shape) if db is not None else None)
+    x3, rows, D = _ln_as_group_norm(x, normalized_shape)
+    w = weight.reshape(D) if weight is not None else None
+    dx, dw, db = torch.ops.aten.native_group_norm_backward(
+        grad.reshape(rows, D, 1), x3, mean.reshape(rows, 1), rstd.reshape(rows, 1), w, rows, D, 1,
+        1, [mask[0], mask[1] and weight is not None, mask[2] and bias is not None])
+    shape = tuple(normalized_shape)
+    return (dx.view(x.shape) if dx is not None else None,
+            dw.view(shape) if dw is not None else None, db.view(shape) if db is not None else None)
+
+
 ATEN_IMPLS = {"gelu": aten_gelu, "gelu_backward": aten_gelu_backward,
               "silu": aten_silu, "silu_backward": aten_silu_backward,
+              "native_layer_norm": aten_native_layer_norm,
+              "native_layer_norm_backward": aten_native_layer_norm_backward,
               "_softmax": aten_softmax, "_softmax_backward_data": aten_softmax_backward}
 
 if os.environ.get("AUTOHC_EAGER_BUILD"):     # compile at import (e.g. before forking workers)

@@ -5,10 +5,8 @@ of two (0 and 1 included), strided / offset / broadcast views, torch or numpy, a
 (beta = 0 over a NaN-filled C: C must not be read), and the shape of C (row-major, column-major,
 row-padded, no unit stride).
 """
-import dataclasses
 import random
 
-import numpy as np
 import pytest
 import torch
 

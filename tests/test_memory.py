@@ -6,7 +6,6 @@ import threading
 import pytest
 import torch
 
-import autohc
 from autohc import memory, ops
 
 

@@ -307,3 +307,61 @@ def test_streaming_stores_give_the_same_bits(isa, vl):
             (ops.layernorm_modulate(xl, sc, sh) * ys).sum().backward()
             grads.append(xl.grad.clone())
     assert torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("shape,ns,affine", [((4, 7, 33), (33,), "both"), ((2, 5, 6, 8), (6, 8), "both"),
+                                            ((3, 64), (64,), "none"), ((1, 1), (1,), "weight"),
+                                            ((300, 1152), (1152,), "bias"), ((2, 3, 17), (17,), "both")])
+def test_install_routes_torch_layernorm(shape, ns, affine, monkeypatch):
+    """F.layer_norm / nn.LayerNorm under install(): autohc's kernel, forward and backward, with
+    or without weight and bias, any trailing normalized_shape; float64 reference."""
+    calls = []
+    real = ops._ln_fwd_kernel
+    monkeypatch.setattr(ops, "_ln_fwd_kernel", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(len(shape))
+    x = (torch.randn(shape) * 3 + 1).requires_grad_()
+    w = torch.randn(ns).requires_grad_() if affine in ("both", "weight") else None
+    b = torch.randn(ns).requires_grad_() if affine in ("both", "bias") else None
+    g = torch.randn(shape)
+    leaves = [t for t in (x, w, b) if t is not None]
+    with autohc.installed(threads=2):
+        y = F.layer_norm(x, ns, w, b, 1e-5)
+        grads = torch.autograd.grad(y, leaves, g)
+    assert calls
+    d = [t.detach().double().requires_grad_() for t in leaves]
+    it = iter(d)
+    xd, wd, bd = next(it), (next(it) if w is not None else None), (next(it) if b is not None else None)
+    yd = F.layer_norm(xd, ns, wd, bd, 1e-5)
+    ref = torch.autograd.grad(yd, d, g.double())
+    D = 1
+    for s in ns:
+        D *= s
+    assert (y.double() - yd).abs().max() <= 1e-5 * (1 + (w.abs().max().item() if w is not None else 0))
+    rows = x.numel() // D
+    for got, want in zip(grads, ref):                 # dweight / dbias sum over the rows
+        assert (got.double() - want).abs().max() <= 2e-5 * (1 + rows ** 0.5) * (1 + want.abs().max())
+
+
+def test_install_layernorm_other_dtypes_and_layouts(monkeypatch):
+    """float64 / bfloat16 / empty go to ATen (its GroupNorm kernel, one group: the same
+    normalisation); a non-contiguous float32 input is served (copied first, as ATen does)."""
+    calls = []
+    real = ops._ln_fwd_kernel
+    monkeypatch.setattr(ops, "_ln_fwd_kernel", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(0)
+    cases = [(torch.randn(6, 10).double(), 1e-12), (torch.randn(6, 10).bfloat16(), 6e-2),
+             (torch.randn(0, 10), 0), (torch.randn(10, 6).t(), 1e-5)]
+    def run(x):
+        x = x.clone().requires_grad_()
+        w = torch.randn(x.shape[-1], dtype=x.dtype, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        y = F.layer_norm(x, x.shape[-1:], w, None, 1e-5)
+        y.backward(torch.ones_like(y) + torch.arange(y.numel(), dtype=y.dtype).view(y.shape) / 7)
+        return y.detach(), x.grad, w.grad
+    want = [run(x) for x, _ in cases]
+    with autohc.installed(threads=2):
+        got = [run(x) for x, _ in cases]
+    assert len(calls) == 1                                     # the non-contiguous float32 one
+    for (x, tol), g, w in zip(cases, got, want):
+        for a, b in zip(g, w):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)

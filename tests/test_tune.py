@@ -15,7 +15,7 @@ import torch
 
 import autohc
 from autohc import cpu, registry
-from autohc.codegen import GemmParams, default_params
+from autohc.codegen import default_params
 from autohc.problem import GemmProblem
 from autohc.tune import space as space_mod
 from autohc.tune import tuner

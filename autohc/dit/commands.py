@@ -140,7 +140,6 @@ def cmd_train(args) -> int:
 
 
 def _train(args) -> int:
-    import torch
     from .. import override
     from . import data as datalib
     from .sample import plot_losses, save_grid

@@ -34,7 +34,7 @@ class TuneResult:
                 "seconds": round(self.seconds, 2)}
 
     @classmethod
-    def from_registry(cls, problem: GemmProblem, threads: int, params: GemmParams,
+    def from_entry(cls, problem: GemmProblem, threads: int, params: GemmParams,
                       entry: dict, seconds: float = 0.0) -> "TuneResult":
         return cls(problem, threads, params, entry["gflops"], entry["torch_gflops"],
                    entry.get("trials", 0), True, entry.get("study", ""), seconds)

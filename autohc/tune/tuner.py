@@ -127,7 +127,7 @@ def tune_problem(problem: GemmProblem, threads: int = 1, *, trials: int | None =
     if not force:
         hit = registry.lookup("gemm", problem.layout, problem.K, problem.N, problem.M, threads, exact=True)
         if hit and hit[1].get("M") == problem.M and hit[0].isa == isa:
-            return TuneResult.from_registry(problem, threads, *hit, time.perf_counter() - t0)
+            return TuneResult.from_entry(problem, threads, *hit, time.perf_counter() - t0)
     optuna.logging.set_verbosity(logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     store = open_storage(storage)
