@@ -76,8 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--model", choices=["dit-s", "dit-b", "dit-l", "dit-xl"],
                       help="every training GEMM of this DiT size (15 problems)")
     what.add_argument("--op", nargs="+", metavar="NAME",
-                      help="element-wise operator kernels instead (names as in `autohc bench ops`, "
-                           "or all): vector width and unroll from search_spaces/eltwise.yaml")
+                      help="operator kernels instead (names as in `autohc bench ops`, adamw, or "
+                           "all): vector width, unroll, streaming stores and thread split from "
+                           "search_spaces/eltwise.yaml")
     tune.add_argument("--m", type=positive_int, default=2048, help="rows (tokens), default 2048")
     tune.add_argument("--layout", choices=["NT", "NN", "TN", "all"], default="all",
                       help="NT forward, NN input grad, TN weight grad (default: all)")
@@ -93,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--force", action="store_true", help="retune problems already in the registry")
     tune.add_argument("--json", action="store_true", help="one JSON object per problem")
     tune.add_argument("--images", type=positive_int, default=8,
-                      help="with --op: DiT-XL/2 tensors for this many images (default: 8)")
+                      help="with --op: DiT-XL/2 tensors for this many images, and for adamw 8M "
+                           "parameters per image (default: 8)")
 
     exp = sub.add_parser("export", help="write tuned kernels as C + header + manifest.json",
                          description="Writes the C source of every tuned kernel of this CPU (and "
@@ -304,8 +306,8 @@ def _tune_ops(args, threads: int) -> int:
         if args.json:
             print(json.dumps(r))
         else:
-            p = r["params"]
-            print(f"{name}: vl {p['vl']} unroll {p['unroll']} ({p['isa']}), {r['ms']:.2f} ms, "
+            knobs = " ".join(f"{k} {v}" for k, v in r["params"].items() if k != "isa")
+            print(f"{name}: {knobs} ({r['params']['isa']}), {r['ms']:.2f} ms, "
                   f"torch {r['torch_ms']:.2f} ms, {r['speedup_vs_torch']:.2f}x, {r['trials']} trials "
                   f"-> registry")
     return 0

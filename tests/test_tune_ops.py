@@ -59,5 +59,22 @@ def test_cli_tune_op(reg, capsys):
     assert main(["tune", "--op", "gated_residual", "--images", "1", "--threads", "1", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["op"] == "gated_residual" and r["kernel"] == "gated_residual" and r["threads"] == 1
+    assert main(["tune", "--op", "adamw", "--images", "1", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("adamw: ") and " vl " in out and "-> registry" in out
     assert main(["tune", "--op", "nope"]) == 1
     assert "unknown op ['nope']" in capsys.readouterr().err
+
+
+def test_tune_adamw_checks_each_candidate_from_the_same_state(reg):
+    r = op_tuner.tune_op("adamw", 1, images=1, repeats=1)
+    grid = op_tuner.grid(cpu.best_isa(), 1, "adamw")
+    assert "nt" not in grid and "unroll" not in grid and r["trials"] == math.prod(len(v) for v in grid.values())
+    assert ops.params_for("adamw") == ops.EltwiseParams(**r["params"])
+    from autohc.optim import AdamW                          # the tuned kernel steps as torch's
+    p = torch.nn.Parameter(torch.randn(1000))
+    q = torch.nn.Parameter(p.detach().clone())
+    p.grad = q.grad = torch.randn(1000)
+    AdamW([p]).step()
+    torch.optim.AdamW([q]).step()
+    torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=3e-7)

@@ -18,15 +18,48 @@ OP_KERNELS = {"gelu_tanh": "gelu_tanh_fwd", "gelu_tanh_backward": "gelu_tanh_bwd
               "silu": "silu_fwd", "silu_backward": "silu_bwd",
               "layernorm_modulate": "ln_mod_fwd", "layernorm_modulate_backward": "ln_mod_bwd",
               "softmax": "softmax_fwd", "softmax_backward": "softmax_bwd",
-              "gated_residual": "gated_residual"}
+              "gated_residual": "gated_residual", "adamw": "adamw"}
+ADAMW_PARAMS_PER_IMAGE = 1 << 23    # `tune --op adamw`: 67M parameters at --images 8
 
 
-def grid(isa: str, threads: int) -> dict[str, list]:
+def _adamw_case(images: int):
+    """(shape, bytes, step, torch step, check, torch check) for AdamW over 8M parameters per
+    image: the timed callables step one persistent optimizer each; the checks take one step
+    from the same start on fresh copies, so every candidate is compared from the same state."""
+    from ..bench_ops import _adamw_params
+    from ..optim import AdamW
+    n = images * ADAMW_PARAMS_PER_IMAGE
+    start = _adamw_params(n)
+    hyper = dict(lr=1e-3, weight_decay=0.01)
+
+    def fresh():
+        ps = [p.clone() for p in start]
+        for p, q in zip(ps, start):
+            p.grad = q.grad.clone()
+        return ps
+
+    def first_step(make):
+        ps = fresh()
+        make(ps).step()
+        return tuple(ps)
+
+    mine_opt, theirs_opt = AdamW(fresh(), **hyper), torch.optim.AdamW(fresh(), fused=True, **hyper)
+    return (f"{n / 1e6:.1f}M params", 28 * n, mine_opt.step, theirs_opt.step,
+            lambda: first_step(lambda ps: AdamW(ps, **hyper)),
+            lambda: first_step(lambda ps: torch.optim.AdamW(ps, fused=True, **hyper)))
+
+
+def grid(isa: str, threads: int, kernel: str | None = None) -> dict[str, list]:
     """{parameter: values} of this back-end from search_spaces/eltwise.yaml; a split over more
-    threads than `threads`, or the same as all of them (0), is left out."""
+    threads than `threads`, or the same as all of them (0), is left out; for AdamW so are
+    streaming stores (it updates in place: its lines are read anyway) and unroll (its loop
+    does not unroll)."""
     out = {name: list(e["values"]) for name, e in isa_entries(load_space("eltwise"), isa).items()}
     if "threads" in out:
         out["threads"] = [t for t in out["threads"] if t == 0 or t < threads]
+    if kernel == "adamw":
+        out.pop("nt", None)
+        out.pop("unroll", None)
     return out
 
 
@@ -47,10 +80,14 @@ def tune_op(name: str, threads: int | None = None, *, images: int = 8, repeats: 
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        _, shape, nbytes, mine, theirs = next(c for c in op_cases(images) if c[0] == name)
+        if name == "adamw":
+            shape, nbytes, mine, theirs, check, their_check = _adamw_case(images)
+        else:
+            _, shape, nbytes, mine, theirs = next(c for c in op_cases(images) if c[0] == name)
+            check, their_check = mine, theirs
         isa = cpu.best_isa()
-        space = grid(isa, threads)
-        reference = theirs()
+        space = grid(isa, threads, kernel)
+        reference = their_check()
         timings: dict[int, tuple[float, float]] = {}
 
         def objective(trial) -> float:
@@ -60,7 +97,7 @@ def tune_op(name: str, threads: int | None = None, *, images: int = 8, repeats: 
             except ops.ParamError as e:
                 raise optuna.TrialPruned(str(e)) from None
             with ops.forced_params(kernel, params):
-                if not _same(mine(), reference):
+                if not _same(check(), reference):
                     raise optuna.TrialPruned("wrong result")       # can never win
                 t = _interleaved({"autohc": mine, "torch": theirs}, repeats)
             timings[trial.number] = (1e3 * t["autohc"], 1e3 * t["torch"])
