@@ -1,9 +1,12 @@
-"""AI operators from templates/ops: GELU(tanh), SiLU, LayerNorm + adaLN modulate (fwd + bwd).
+"""AI operators from templates/ops: GELU(tanh), SiLU, LayerNorm + adaLN modulate, softmax,
+gated residual (forward + backward).
 
     autohc.ops.gelu_tanh(x), autohc.ops.silu(x)      torch custom ops with autograd
     autohc.ops.layernorm_modulate(x, scale, shift)   DiT's modulate(norm(x), shift, scale)
-    autohc.install()                                 also routes F.gelu(approximate="tanh")
-                                                     and F.silu on float32 CPU tensors
+    autohc.ops.softmax(x), autohc.ops.gated_residual(x, y, gate)
+    autohc.install()                                 also routes F.gelu(approximate="tanh"),
+                                                     F.silu, F.layer_norm and last-dim softmax
+                                                     on float32 CPU tensors (ATEN_IMPLS)
 
 float32 CPU tensors run the generated kernels, split over autohc.override.kernel_threads() threads
 (install()'s count while installed, else torch.get_num_threads())
@@ -491,7 +494,9 @@ def aten_native_layer_norm(x, normalized_shape, weight, bias, eps):
     if _ln_served(x, normalized_shape, weight, bias):
         D = math.prod(normalized_shape)
         rows = x.numel() // D
-        y, mean, rstd = _ln_fwd_kernel(x.contiguous(), weight, bias, rows, D, rows, eps, 0)
+        w = weight.contiguous() if weight is not None else None     # the kernel reads D in a row
+        b = bias.contiguous() if bias is not None else None
+        y, mean, rstd = _ln_fwd_kernel(x.contiguous(), w, b, rows, D, rows, eps, 0)
         return y.view(x.shape), mean.view(stat), rstd.view(stat)
     x3, rows, D = _ln_as_group_norm(x, normalized_shape)
     w = weight.reshape(D) if weight is not None else None
@@ -506,6 +511,7 @@ def aten_native_layer_norm_backward(grad, x, normalized_shape, mean, rstd, weigh
     if _ln_served(x, normalized_shape, weight) and _fast(grad, x) \
             and all(t.dtype == torch.float32 and t.is_contiguous() for t in (mean, rstd)):
         grad, x = grad.contiguous(), x.contiguous()
+        weight = weight.contiguous() if weight is not None else None
         D = math.prod(normalized_shape)
         rows = x.numel() // D
         p = params_for("ln_mod_bwd")

@@ -376,3 +376,12 @@ def test_softmax_accuracy_over_the_exp_range():
     def rel(y):
         return ((y.double() - ref).abs() / ref)[keep].max().item()
     assert rel(ops.softmax(x)) <= 1.25 * rel(torch.softmax(x, -1)) + 1e-7
+
+
+def test_install_layernorm_strided_weight_and_bias():
+    x = torch.randn(5, 12)
+    w, b = torch.randn(24)[::2], torch.randn(12, 2)[:, 1]          # views with stride 2
+    want = F.layer_norm(x, (12,), w, b)
+    with autohc.installed(threads=2):
+        got = F.layer_norm(x, (12,), w, b)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
