@@ -136,7 +136,7 @@ class BufferPool:
         if new:
             _advise_range(base.ctypes.data + offset, size)     # before the first write
         del base
-        weakref.finalize(arr, self._give, size, block)
+        weakref.finalize(arr, self._give, size, block).atexit = False   # nothing to return at exit
         return torch.from_numpy(arr).view(shape)
 
 
