@@ -119,6 +119,19 @@ class BufferPool:
             self._free.clear()
             self._free_bytes = 0
 
+    def _map(self, nbytes: int) -> mmap.mmap:
+        """A new private mapping; when the system refuses, the free blocks are let go first
+        and the mapping tried once more."""
+        try:
+            return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except OSError:
+            self.clear()
+        try:
+            return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except OSError as e:
+            raise MemoryError(f"autohc: cannot map {nbytes / 2**20:.0f} MB for a kernel result "
+                              f"({e.strerror or e})") from None
+
     def empty(self, shape: tuple[int, ...]) -> torch.Tensor:
         n = 1
         for s in shape:
@@ -129,7 +142,7 @@ class BufferPool:
         if new:
             # + HUGE: room to start the tensor on a 2 MB boundary, so whole huge pages back it
             pad = HUGE if size >= HUGE_MIN_BYTES else 0
-            block = mmap.mmap(-1, size + pad, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            block = self._map(size + pad)
         base = np.frombuffer(block, dtype=np.uint8)
         offset = (-base.ctypes.data) % HUGE if size >= HUGE_MIN_BYTES else 0
         arr = np.frombuffer(block, dtype=np.float32, count=n, offset=offset)

@@ -123,3 +123,22 @@ def test_pool_size_from_environment(monkeypatch):
         monkeypatch.setenv("AUTOHC_POOL_MB", bad)
         with pytest.raises(ValueError, match="AUTOHC_POOL_MB"):
             memory._pool_mb_from_env()
+
+
+def test_refused_mapping_lets_free_blocks_go_then_says_so(pool, monkeypatch):
+    a = memory.fresh_empty(1 << 18)
+    del a
+    assert pool.free_bytes == 1 << 20
+    real, calls = memory.mmap.mmap, []
+
+    def refuse_once(*args, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(12, "Cannot allocate memory")
+        return real(*args, **kw)
+    monkeypatch.setattr(memory.mmap, "mmap", refuse_once)
+    t = memory.fresh_empty(1 << 19)                          # another size class: a new mapping
+    assert t.numel() == 1 << 19 and pool.free_bytes == 0 and len(calls) == 2
+    monkeypatch.setattr(memory.mmap, "mmap", lambda *a, **k: (_ for _ in ()).throw(OSError(12, "no")))
+    with pytest.raises(MemoryError, match=r"cannot map \d+ MB for a kernel result"):
+        memory.fresh_empty(1 << 20)
