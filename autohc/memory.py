@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import mmap
 import os
 import sys
@@ -133,9 +134,7 @@ class BufferPool:
                               f"({e.strerror or e})") from None
 
     def empty(self, shape: tuple[int, ...]) -> torch.Tensor:
-        n = 1
-        for s in shape:
-            n *= s
+        n = math.prod(shape)
         size = _size_class(n * 4)
         block = self._take(size)
         new = block is None
@@ -159,10 +158,7 @@ pool = BufferPool(_pool_mb_from_env() << 20)
 def fresh_empty(*shape: int) -> torch.Tensor:
     """An uninitialised float32 tensor of `shape` for a kernel to write: from the pool when it
     is large, else torch.empty."""
-    n = 1
-    for s in shape:
-        n *= s
-    if n * 4 >= POOL_MIN_BYTES and pool.cap_bytes > 0:
+    if math.prod(shape) * 4 >= POOL_MIN_BYTES and pool.cap_bytes > 0:
         return pool.empty(tuple(shape))
     return torch.empty(shape, dtype=torch.float32)
 

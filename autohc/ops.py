@@ -157,6 +157,12 @@ def _split(n: int, parts: int) -> list[tuple[int, int]]:
     return [(n * i // parts, n * (i + 1) // parts) for i in range(parts) if n * i // parts < n * (i + 1) // parts]
 
 
+def _split_lines(n: int, parts: int) -> list[tuple[int, int]]:
+    """n elements in `parts` nearly equal ranges of whole cache lines (64 floats)."""
+    bounds = [min(n, -(-n * i // parts // 64) * 64) for i in range(parts + 1)]
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if a < b]
+
+
 def _in_threads(fn, ranges):
     """fn(a, b) for each range, one thread each; on several NUMA nodes, range i runs on its
     node's CPUs (autohc.numa), so the result's pages it writes first are local to it."""
@@ -182,11 +188,8 @@ def _run(name: str, *tensors: torch.Tensor, params: EltwiseParams | None = None)
     n = out.numel()
     ptrs = [ffi.cast("float *", t.data_ptr()) for t in ins]
     optr = ffi.cast("float *", out.data_ptr())
-    threads = p.split_threads(n)
-    # whole cache lines (64 floats) per thread
-    bounds = [min(n, -(-n * i // threads // 64) * 64) for i in range(threads + 1)]
     _in_threads(lambda a, b: fn(*[q + a for q in ptrs], optr + a, b - a),
-                [(a, b) for a, b in zip(bounds, bounds[1:]) if a < b])
+                _split_lines(n, p.split_threads(n)))
     return out
 
 
@@ -303,17 +306,28 @@ def _ln_mod_bwd(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None,
         dsh = dy.sum(1) if want_shift else x.new_zeros(0)
         return dx, dsc, dsh
     p = params_for("ln_mod_bwd")
+    dx, dscale, dshift = _ln_bwd_kernel(
+        p, dy.contiguous(), x.contiguous(), scale.contiguous() if scale is not None else None,
+        mean.contiguous(), rstd.contiguous(), B, T, D, D, 1, want_scale, want_shift,
+        p.split_threads(x.numel()))
+    return (dx, dscale if want_scale else x.new_zeros(0), dshift if want_shift else x.new_zeros(0))
+
+
+def _ln_bwd_kernel(p, dyc, xc, sc, mean, rstd, samples: int, T: int, D: int, sstride: int,
+                   plus_one: int, want_scale: bool, want_shift: bool, threads: int):
+    """ln_mod_bwd over `samples` blocks of T rows (the last may be short) of D, contiguous
+    float32; the samples are split over `threads`. Returns dx and the per-sample dscale /
+    dshift (samples x D, or None where not wanted)."""
     lib = library(p)
     ffi, fn = lib.ffi, getattr(lib.lib, f"{p.symbol}_ln_mod_bwd")
-    dyc, xc = dy.contiguous(), x.contiguous()
-    sc = scale.contiguous() if scale is not None else None
+    rows = xc.numel() // D
     dx = _fresh_like(xc)
-    dscale = torch.empty(B, D) if want_scale else x.new_zeros(0)
-    dshift = torch.empty(B, D) if want_shift else x.new_zeros(0)
-    ptr = lambda t: ffi.cast("float *", t.data_ptr()) if t is not None and t.numel() else ffi.NULL  # noqa: E731
-    args = (ptr(dyc), ptr(xc), ptr(sc), ptr(mean.contiguous()), ptr(rstd.contiguous()), ptr(dx),
-            ptr(dscale), ptr(dshift))
-    _in_threads(lambda b0, b1: fn(*args, b0, b1, D, T, B * T, D, 1), _split(B, p.split_threads(x.numel())))
+    dscale = torch.empty(samples, D) if want_scale else None
+    dshift = torch.empty(samples, D) if want_shift else None
+    ptr = lambda t: ffi.cast("float *", t.data_ptr()) if t is not None else ffi.NULL  # noqa: E731
+    args = (ptr(dyc), ptr(xc), ptr(sc), ptr(mean), ptr(rstd), ptr(dx), ptr(dscale), ptr(dshift))
+    _in_threads(lambda b0, b1: fn(*args, b0, b1, D, T, rows, sstride, plus_one),
+                _split(samples, threads))
     return dx, dscale, dshift
 
 
@@ -510,22 +524,14 @@ def aten_native_layer_norm_backward(grad, x, normalized_shape, mean, rstd, weigh
     weight) and writes partial dweight / dbias, added up here."""
     if _ln_served(x, normalized_shape, weight) and _fast(grad, x) \
             and all(t.dtype == torch.float32 and t.is_contiguous() for t in (mean, rstd)):
-        grad, x = grad.contiguous(), x.contiguous()
-        weight = weight.contiguous() if weight is not None else None
         D = math.prod(normalized_shape)
         rows = x.numel() // D
         p = params_for("ln_mod_bwd")
         threads = p.split_threads(x.numel())
-        T = -(-rows // threads)
-        B = -(-rows // T)
-        lib = library(p)
-        ffi, fn = lib.ffi, getattr(lib.lib, f"{p.symbol}_ln_mod_bwd")
-        dx = _fresh_like(x)
-        dw = torch.empty(B, D) if mask[1] else None
-        db = torch.empty(B, D) if mask[2] else None
-        ptr = lambda t: ffi.cast("float *", t.data_ptr()) if t is not None else ffi.NULL  # noqa: E731
-        args = (ptr(grad), ptr(x), ptr(weight), ptr(mean), ptr(rstd), ptr(dx), ptr(dw), ptr(db))
-        _in_threads(lambda b0, b1: fn(*args, b0, b1, D, T, rows, 0, 0), _split(B, threads))
+        T = -(-rows // threads)                 # a block of rows per thread, one shared weight
+        dx, dw, db = _ln_bwd_kernel(
+            p, grad.contiguous(), x.contiguous(), weight.contiguous() if weight is not None else None,
+            mean, rstd, -(-rows // T), T, D, 0, 0, mask[1], mask[2], threads)
         shape = tuple(normalized_shape)
         return (dx.view(x.shape) if mask[0] else None,
                 dw.sum(0).view(shape) if dw is not None else None,

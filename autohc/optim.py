@@ -82,9 +82,7 @@ def _fused_step(tensors, lr, b1, b2, eps, wd, bc1, bc2):
     sizes = [ts[0].numel() for ts in tensors]
     n = ffi.new("int64_t[]", sizes)
     total = sum(sizes)
-    threads = prm.split_threads(total)
-    bounds = [min(total, -(-total * i // threads // 64) * 64) for i in range(threads + 1)]
 
     def run(a, b):
         fn(*cols, n, len(sizes), a, b, lr, b1, b2, eps, wd, bc1, bc2)
-    ops._in_threads(run, [(a, b) for a, b in zip(bounds, bounds[1:]) if a < b])
+    ops._in_threads(run, ops._split_lines(total, prm.split_threads(total)))
