@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import autohc
-from autohc.bench import _set_blas_threads, dit_problems
-from autohc.gemm import default_kernel_params
+from autohc.bench.gemm import set_blas_threads as _set_blas_threads
+from autohc.kernels.gemm.problem import dit_problems
+from autohc.kernels.gemm.kernel import default_kernel_params
 
 MODEL = os.environ.get("AUTOHC_BENCH_MODEL", "dit-xl")
 THREADS = int(os.environ.get("AUTOHC_BENCH_THREADS", "1"))

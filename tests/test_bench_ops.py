@@ -3,7 +3,7 @@ import json
 
 import torch
 
-from autohc.bench_ops import op_cases
+from autohc.bench.ops import op_cases
 from autohc.cli import main
 
 

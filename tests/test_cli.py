@@ -93,7 +93,8 @@ def test_tune_json_then_registry(tmp_path):
 
 def test_perf_gate_passes_fails_and_reports(tmp_path, monkeypatch):
     """The gate logic with the measurement stubbed (real timings belong to `autohc bench gate`)."""
-    from autohc import cpu, gate
+    from autohc.bench import gate
+    from autohc.hw import cpu
     fp = cpu.detect().fingerprint
     base = tmp_path / "baseline.json"
     assert gate.check(base)[0] is True                                   # no baseline: says so

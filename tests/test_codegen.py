@@ -7,9 +7,10 @@ import subprocess
 import jinja2
 import pytest
 
-from autohc.codegen import GemmParams, ParamError, default_params, gemm_cdef, render_gemm
-from autohc.codegen.params import ISAS
-from autohc.codegen.render import environment
+from autohc.kernels.gemm.codegen import gemm_cdef, render_gemm
+from autohc.kernels.gemm.params import GemmParams, ParamError, default_params
+from autohc.kernels.isa import ISAS
+from autohc.kernels.render import environment
 
 
 @pytest.mark.parametrize("isa", list(ISAS))
@@ -32,7 +33,7 @@ def test_defaults_are_valid(isa, threads):
     (dict(nc=4004), "multiple of nr"),
     (dict(k_unroll=3), "k_unroll"),
     (dict(depth=4), "depth"),
-    (dict(clusters=64, tm=8, tn=8), "threads"),
+    (dict(jc_ways=64, ic_ways=8, jr_ways=8), "threads"),
     (dict(vl=16), "vectors hold"),
     (dict(prefetch_c=1), "prefetch_c"),
     (dict(kc=4096, nc=65536), "256 MiB"),

@@ -1,5 +1,5 @@
-from autohc import cpu
-from autohc.cpu import Cache, CpuInfo, parse_cpulist
+from autohc.hw import cpu
+from autohc.hw.cpu import Cache, CpuInfo, parse_cpulist
 
 
 def test_parse_cpulist():
@@ -33,13 +33,3 @@ def test_isa_choice():
 def test_fingerprint_changes_with_isa():
     assert fake({"avx2", "fma"}).fingerprint != fake({"avx2", "fma", "avx512f"}).fingerprint
     assert fake({"avx2", "fma"}).fingerprint == fake({"avx2", "fma", "ht"}).fingerprint
-
-
-def test_clusters_map_to_numa_nodes():
-    info = fake({"avx2"}, nodes=((0, 1, 2, 3), (4, 5, 6, 7)))
-    # two clusters of two threads: one cluster per node
-    assert cpu.thread_cpus(2, 2, info) == [0, 1, 4, 5]
-    # four clusters of two: two per node, consecutive CPUs
-    assert cpu.thread_cpus(4, 2, info) == [0, 1, 2, 3, 4, 5, 6, 7]
-    # one node, more threads than CPUs: wrap around
-    assert cpu.thread_cpus(1, 3, fake({"avx2"})) == [0, 1, 0]

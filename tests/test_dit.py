@@ -331,7 +331,7 @@ def test_eval_metric_separates_real_from_noise():
 
 
 def test_bench_step_stock_vs_autohc():
-    from autohc.dit.bench_step import bench_step
+    from autohc.bench.step import bench_step
     r = bench_step("DiT-Ti/8", 2, image_size=16, steps=3, warmup=1, modes=["stock", "autohc"])
     assert r["stock_s"] > 0 and r["autohc_s"] > 0 and r["compiled_s"] is None
     assert r["speedup_vs_stock"] > 0 and r["max_loss_rel_diff"] < 1e-3

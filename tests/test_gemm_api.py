@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import autohc
-import autohc.gemm as gemm_mod
-from autohc import cpu
-from autohc.codegen import default_params
+import autohc.kernels.gemm.matmul as gemm_mod
+from autohc.hw import cpu
+from autohc.kernels.gemm.params import default_params
 
 from gemm_reference import check
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import autohc
-from autohc import cpu
-from autohc.codegen import GemmParams, default_params
+from autohc.hw import cpu
+from autohc.kernels.gemm.params import GemmParams, default_params
 
 from gemm_reference import check
 
@@ -83,7 +83,7 @@ def run_fuzz(params: GemmParams, n_problems: int, seed: int):
         c0 = torch.randn(M, N)
         fill = c0 if beta != 0.0 else torch.full((M, N), float("nan"))
         out = make_out(M, N, so, lib, fill)
-        what = (f"problem {i} [{params.isa} {params.clusters}x{params.tm}x{params.tn}]: "
+        what = (f"problem {i} [{params.isa} {params.jc_ways}x{params.ic_ways}x{params.jr_ways}]: "
                 f"M={M} N={N} K={K} layout={'T' if ta else 'N'}{'T' if tb else 'N'} "
                 f"a={sa} b={sb} out={so} {lib} alpha={alpha} beta={beta}")
         res = autohc.matmul(a, b, out=out, alpha=alpha, beta=beta, params=params)
@@ -112,22 +112,22 @@ def test_fuzz_two_clusters(isa):
 # Thread and buffering geometries with tiny tiles, so that every problem crosses many
 # KC / MC / NC panels, every thread edge and the ring of B buffers.
 STRESS = [
-    dict(isa="avx2", mr=6, nr=16, kc=8, mc=12, nc=32, k_unroll=8, clusters=2, tm=2, tn=2, depth=3,
+    dict(isa="avx2", mr=6, nr=16, kc=8, mc=12, nc=32, k_unroll=8, jc_ways=2, ic_ways=2, jr_ways=2, depth=3,
          prefetch_a=4, prefetch_b=2, skinny_m=0),      # small M through the packed path
-    dict(isa="avx2", mr=4, nr=24, kc=16, mc=8, nc=48, k_unroll=2, clusters=1, tm=2, tn=1, depth=1),
-    dict(isa="avx2", mr=8, nr=8, kc=12, mc=16, nc=24, k_unroll=1, clusters=1, tm=1, tn=2, depth=2,
+    dict(isa="avx2", mr=4, nr=24, kc=16, mc=8, nc=48, k_unroll=2, jc_ways=1, ic_ways=2, jr_ways=1, depth=1),
+    dict(isa="avx2", mr=8, nr=8, kc=12, mc=16, nc=24, k_unroll=1, jc_ways=1, ic_ways=1, jr_ways=2, depth=2,
          prefetch_c=False),
-    dict(isa="avx512", mr=14, nr=32, kc=12, mc=28, nc=64, k_unroll=4, clusters=2, tm=1, tn=1, depth=2),
-    dict(isa="avx512", mr=6, nr=64, kc=20, mc=12, nc=128, k_unroll=8, clusters=1, tm=2, tn=2, depth=3,
+    dict(isa="avx512", mr=14, nr=32, kc=12, mc=28, nc=64, k_unroll=4, jc_ways=2, ic_ways=1, jr_ways=1, depth=2),
+    dict(isa="avx512", mr=6, nr=64, kc=20, mc=12, nc=128, k_unroll=8, jc_ways=1, ic_ways=2, jr_ways=2, depth=3,
          skinny_m=64),                                  # every M <= 64 in NT: skinny path
-    dict(isa="portable", vl=4, mr=4, nr=8, kc=8, mc=8, nc=16, k_unroll=2, clusters=2, tm=1, tn=2, depth=3),
-    dict(isa="portable", vl=8, mr=3, nr=16, kc=9, mc=9, nc=32, k_unroll=4, clusters=1, tm=3, tn=1, depth=1,
+    dict(isa="portable", vl=4, mr=4, nr=8, kc=8, mc=8, nc=16, k_unroll=2, jc_ways=2, ic_ways=1, jr_ways=2, depth=3),
+    dict(isa="portable", vl=8, mr=3, nr=16, kc=9, mc=9, nc=32, k_unroll=4, jc_ways=1, ic_ways=3, jr_ways=1, depth=1,
          skinny_m=64),
 ]
 
 
 @pytest.mark.parametrize("cfg", STRESS, ids=lambda c: f"{c['isa']}-{c['mr']}x{c['nr']}-"
-                         f"{c['clusters']}x{c['tm']}x{c['tn']}-d{c['depth']}")
+                         f"{c['jc_ways']}x{c['ic_ways']}x{c['jr_ways']}-d{c['depth']}")
 def test_fuzz_stress_geometries(cfg):
     cfg = dict(cfg)
     isa = cfg["isa"]

@@ -6,7 +6,8 @@ import threading
 import pytest
 import torch
 
-from autohc import memory, ops
+from autohc.runtime import memory
+from autohc.torch import ops
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autohc
-import autohc.ops as ops
-from autohc import cpu
+import autohc.torch.ops as ops
+from autohc.hw import cpu
 
 ISAS = cpu.runnable_isas()
 F64 = {
@@ -116,7 +116,7 @@ def test_install_routes_torch_gelu_and_silu():
     x.grad = None
     calls = []
     real = ops._run
-    import autohc.ops as o
+    import autohc.torch.ops as o
     o._run = lambda name, *t, **k: calls.append(name) or real(name, *t, **k)
     try:
         with autohc.installed():
@@ -265,24 +265,23 @@ def test_gated_residual_forward_backward_and_bad_shapes():
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])
 @pytest.mark.parametrize("vl", [4, 8, 16])
 def test_streaming_stores_give_the_same_bits(isa, vl):
-    """nt=True (non-temporal stores from 8 MB per call) on an output that starts off the vector
-    alignment, a ragged length and the row kernels: bit for bit what nt=False writes."""
+    """stream_stores=True (non-temporal stores from 8 MB per call) on an output that starts off
+    the vector alignment, a ragged length and the row kernels: bit for bit what plain stores write."""
     if isa not in ISAS:
         pytest.skip(f"this CPU cannot run {isa}")
-    plain = ops.EltwiseParams(isa=isa, vl=vl, unroll=2, nt=False, threads=1)
-    stream = ops.EltwiseParams(isa=isa, vl=vl, unroll=2, nt=True, threads=1)
+    plain = ops.EltwiseParams(isa=isa, vl=vl, unroll=2, stream_stores=False, threads=1)
+    stream = ops.EltwiseParams(isa=isa, vl=vl, unroll=2, stream_stores=True, threads=1)
     n = (9 << 20) // 4 + 13                                   # 9 MB + a ragged tail
     torch.manual_seed(vl)
     x, g = torch.randn(n) * 4, torch.randn(n)
     for name, ins in (("gelu_tanh_fwd", (x,)), ("silu_bwd", (g, x))):
         outs = []
         for p in (plain, stream):
-            lib = ops.library(p)
-            fn, ffi = getattr(lib.lib, f"{p.symbol}_{name}"), lib.ffi
+            ffi, fn, _ = ops.kernel_fn(name, p)
             buf = torch.full((n + 8,), float("nan"))
             for off in (0, 3):                                # aligned and misaligned output
                 fn(*[ffi.cast("float *", t.data_ptr()) for t in ins],
-                   ffi.cast("float *", buf.data_ptr()) + off, n)
+                   ffi.cast("float *", buf.data_ptr()) + off, n, 1)
                 outs.append(buf[off:off + n].clone())
         assert all(torch.equal(outs[0], o) for o in outs[1:]), name
     B, T, D = 8, 256, 1152                                    # 9.4 MB rows: above the threshold

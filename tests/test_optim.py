@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-import autohc.optim as O
+import autohc.torch.optim as O
 
 
 def _pair(wd, lr=1e-2):

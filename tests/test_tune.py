@@ -14,11 +14,12 @@ import pytest
 import torch
 
 import autohc
-from autohc import cpu, registry
-from autohc.codegen import default_params
-from autohc.problem import GemmProblem
+from autohc.hw import cpu
+from autohc.tune import registry
+from autohc.kernels.gemm.params import default_params
+from autohc.kernels.gemm.problem import GemmProblem
 from autohc.tune import space as space_mod
-from autohc.tune import tuner
+from autohc.tune import gemm as tuner
 
 ISA = cpu.best_isa()
 
@@ -103,25 +104,28 @@ def test_tune_records_best_and_second_call_is_instant(fresh_cache):
     assert r2.params == r.params
     # autohc.matmul now runs the tuned configuration for this problem
     x, w = prob.operands()
-    assert autohc.gemm.tuned_params(96, 64, 80, x.stride(), w.stride(), 1) == r.params
+    assert autohc.kernels.gemm.matmul.tuned_params(96, 64, 80, x.stride(), w.stride(), 1) == r.params
 
 
 def test_wrong_kernel_can_never_win(fresh_cache, monkeypatch):
     """Candidates other than the default compute garbage but claim a huge speed: every one
     of them must fail the correctness gate, and the default must be what is recorded."""
     default = default_params(ISA, 1)
-    real_matmul = tuner.matmul
+    from autohc.tune import pipeline, verify
+    real_matmul = verify.matmul
 
     def buggy_matmul(a, b, *, out=None, params=None, **kw):
         res = real_matmul(a, b, out=out, params=params, **kw)
         if params != default:
             res[0, 0] += 1.0                              # a wrong element
         return res
-    monkeypatch.setattr(tuner, "matmul", buggy_matmul)
-    monkeypatch.setattr(tuner, "measure",
-                        lambda p, params, t: (1e9 if params != default else 1.0, 1.0))
-    r = tuner.tune_problem(GemmProblem("w", "NT", 64, 48, 40), 1, trials=5, timeout=300)
-    assert r.params == default and r.gflops == 1.0
+    monkeypatch.setattr(verify, "matmul", buggy_matmul)
+    problem = GemmProblem("w", "NT", 64, 48, 40)
+    one_gflops = problem.flops / 1e9                      # seconds for 1 GFLOP/s
+    monkeypatch.setattr(tuner, "measure", lambda p, params, t: pipeline.Measured(
+        params, one_gflops * (1e-9 if params != default else 1.0), one_gflops, 0.0))
+    r = tuner.tune_problem(problem, 1, trials=5, timeout=300)
+    assert r.params == default and r.gflops == pytest.approx(1.0)
     study = optuna.load_study(study_name=r.study, storage=tuner.open_storage())
     states = [t.state for t in study.trials]
     assert states[0] == optuna.trial.TrialState.COMPLETE
@@ -130,8 +134,8 @@ def test_wrong_kernel_can_never_win(fresh_cache, monkeypatch):
 
 
 RUN_TUNE = textwrap.dedent("""
-    from autohc.problem import GemmProblem
-    from autohc.tune import tuner
+    from autohc.kernels.gemm.problem import GemmProblem
+    from autohc.tune import gemm as tuner
     r = tuner.tune_problem(GemmProblem("k", "NT", 128, 96, 112), 1, trials=int(__import__("sys").argv[1]),
                            timeout=600)
     print(r.trials)
@@ -175,7 +179,7 @@ def test_resume_after_kill_9(fresh_cache):
 
 
 def test_export_compiles_and_runs_without_python(fresh_cache, tmp_path):
-    from autohc.export import export
+    from autohc.tune.export import export
     p = default_params(ISA, 2)
     registry.record("gemm", "NT", 40, 24, 33, 2, p, 10.0, 5.0)
     out = tmp_path / "exp"
@@ -194,14 +198,15 @@ def test_export_compiles_and_runs_without_python(fresh_cache, tmp_path):
             static float x[M * K], w[N * K], y[M * N];
             for (int i = 0; i < M * K; ++i) x[i] = (float)((i * 7) % 13) - 6.0f;
             for (int i = 0; i < N * K; ++i) w[i] = (float)((i * 5) % 11) - 5.0f;
+            {p.symbol}_bind((void *)autohc_pool_run);     /* threads from the exported pool */
             /* Y = X W^T: op(B)(k, j) = W[j*K + k] -> rsb = 1, csb = K */
             if ({p.symbol}_gemm(M, N, K, 1.0f, x, K, 1, w, 1, K, 0.0f, y, N)) return 2;
             for (int i = 0; i < M * N; ++i) printf("%.1f\\n", y[i]);
             return 0;
         }}"""))
     exe = tmp_path / "prog"
-    cmd = ["gcc", *k["cflags"], f"-I{out}", str(main), str(out / k["source"]), "-o", str(exe),
-           *k["ldflags"]]
+    cmd = ["gcc", *k["cflags"], f"-I{out}", str(main), str(out / k["source"]),
+           str(out / manifest["pool"]["source"]), "-o", str(exe), *k["ldflags"]]
     subprocess.run(cmd, check=True, capture_output=True)
     if ISA not in cpu.runnable_isas():
         pytest.skip("compiled; this CPU cannot run it")
@@ -213,7 +218,7 @@ def test_export_compiles_and_runs_without_python(fresh_cache, tmp_path):
 
 
 def test_report_writes_pngs(fresh_cache, tmp_path):
-    from autohc.report import report
+    from autohc.tune.report import report
     tuner.tune_problem(GemmProblem("r", "NN", 64, 32, 48), 1, trials=2, timeout=120)
     paths = report(tmp_path / "rep")
     names = sorted(p.name for p in paths)

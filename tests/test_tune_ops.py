@@ -6,9 +6,11 @@ import math
 import pytest
 import torch
 
-from autohc import cpu, ops, registry
+from autohc.hw import cpu
+from autohc.torch import ops
+from autohc.tune import registry
 from autohc.cli import main
-from autohc.tune import op_tuner
+from autohc.tune import ops as op_tuner
 
 
 @pytest.fixture
@@ -28,7 +30,7 @@ def test_grid_comes_from_the_yaml():
     assert g["threads"] == [0, 1, 2]                     # all (0), or a part of the 4
     assert op_tuner.grid(isa, 1)["threads"] == [0]
     if isa in ("avx2", "avx512"):
-        assert g["nt"] == [False, True]
+        assert g["stream_stores"] == [False, True]
 
 
 def test_tune_op_records_and_ops_use_it(reg):
@@ -44,7 +46,9 @@ def test_tune_op_records_and_ops_use_it(reg):
 
 
 def test_a_wrong_kernel_never_wins(reg, monkeypatch):
-    monkeypatch.setattr(op_tuner, "_same", lambda a, b: False)
+    def wrong(got, reference, what):
+        raise op_tuner.WrongResult(what)
+    monkeypatch.setattr(op_tuner, "check_same", wrong)
     with pytest.raises(RuntimeError, match="no candidate passed the correctness check"):
         op_tuner.tune_op("gelu_tanh", 1, images=1, repeats=1)
     assert registry.lookup_op("eltwise", "gelu_tanh_fwd", 1) is None
@@ -69,7 +73,7 @@ def test_cli_tune_op(reg, capsys):
 def test_tune_adamw_checks_each_candidate_from_the_same_state(reg):
     r = op_tuner.tune_op("adamw", 1, images=1, repeats=1)
     grid = op_tuner.grid(cpu.best_isa(), 1, "adamw")
-    assert "nt" not in grid and "unroll" not in grid and r["trials"] == math.prod(len(v) for v in grid.values())
+    assert "stream_stores" not in grid and "unroll" not in grid and r["trials"] == math.prod(len(v) for v in grid.values())
     assert ops.params_for("adamw") == ops.EltwiseParams(**r["params"])
     from autohc.optim import AdamW                          # the tuned kernel steps as torch's
     p = torch.nn.Parameter(torch.randn(1000))

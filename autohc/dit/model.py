@@ -5,9 +5,11 @@ Same modules and parameter names as the reference (`x_embedder.proj`, `t_embedde
 adaLN_modulation.1}`, `final_layer`), so the parameter counts are the reference's exactly:
 DiT-S/2 32,963,360 and DiT-XL/2 675,129,632 at 256px (32x32x4 latents, learn_sigma=True).
 
-Where autohc is installed (`autohc.install()`), each block's LayerNorm + adaLN modulate and
-gated residual run as one fused kernel each (autohc.ops); otherwise plain torch, same results
-to float32 rounding.
+The fused operators are passed in, not read from global state: `DiT.use_fused_ops(ops)` (or
+build_model(..., fused_ops=ops)) with an object that has `layernorm_modulate(x, scale, shift,
+eps)` and `gated_residual(x, y, gate)` (autohc.ops has both) makes each block's LayerNorm +
+adaLN modulate and gated residual one fused kernel each; without it, plain torch, the same
+results to float32 rounding.
 """
 from __future__ import annotations
 
@@ -19,7 +21,6 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from .. import override
 
 
 @dataclass(frozen=True)
@@ -48,22 +49,16 @@ def modulate(x, shift, scale):
     return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
 
 
-def _fused() -> bool:
-    return override.is_installed()
-
-
-def norm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """modulate(LayerNorm(x) without affine, eps 1e-6) — fused kernel when autohc is installed."""
-    if _fused():
-        from ..ops import layernorm_modulate
-        return layernorm_modulate(x, scale, shift, 1e-6)
+def norm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, fused=None) -> torch.Tensor:
+    """modulate(LayerNorm(x) without affine, eps 1e-6): one kernel with fused ops given."""
+    if fused is not None:
+        return fused.layernorm_modulate(x, scale, shift, 1e-6)
     return modulate(F.layer_norm(x, x.shape[-1:], eps=1e-6), shift, scale)
 
 
-def gated_add(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    if _fused():
-        from ..ops import gated_residual
-        return gated_residual(x, y, gate)
+def gated_add(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, fused=None) -> torch.Tensor:
+    if fused is not None:
+        return fused.gated_residual(x, y, gate)
     return x + gate.unsqueeze(1) * y
 
 
@@ -161,11 +156,13 @@ class DiTBlock(nn.Module):
         self.attn = Attention(dim, heads)
         self.mlp = Mlp(dim, int(dim * mlp_ratio))
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim, bias=True))
+        self.fused = None           # the fused operators, set by DiT.use_fused_ops
 
     def forward(self, x, c):
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
-        x = gated_add(x, self.attn(norm_modulate(x, shift_msa, scale_msa)), gate_msa)
-        x = gated_add(x, self.mlp(norm_modulate(x, shift_mlp, scale_mlp)), gate_mlp)
+        f = self.fused
+        x = gated_add(x, self.attn(norm_modulate(x, shift_msa, scale_msa, f)), gate_msa, f)
+        x = gated_add(x, self.mlp(norm_modulate(x, shift_mlp, scale_mlp, f)), gate_mlp, f)
         return x
 
 
@@ -174,10 +171,11 @@ class FinalLayer(nn.Module):
         super().__init__()
         self.linear = nn.Linear(dim, patch * patch * out_channels, bias=True)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 2 * dim, bias=True))
+        self.fused = None
 
     def forward(self, x, c):
         shift, scale = self.adaLN_modulation(c).chunk(2, dim=1)
-        return self.linear(norm_modulate(x, shift, scale))
+        return self.linear(norm_modulate(x, shift, scale, self.fused))
 
 
 class DiT(nn.Module):
@@ -205,6 +203,14 @@ class DiT(nn.Module):
         self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio) for _ in range(depth)])
         self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
         self.initialize_weights()
+
+    def use_fused_ops(self, ops) -> "DiT":
+        """Run the blocks' LayerNorm + modulate and gated residual on `ops` (e.g. autohc.ops),
+        or on plain torch with None."""
+        for m in self.modules():
+            if isinstance(m, (DiTBlock, FinalLayer)):
+                m.fused = ops
+        return self
 
     @classmethod
     def from_name(cls, name: str, **kw) -> "DiT":

@@ -12,10 +12,11 @@ from .diffusion import GaussianDiffusion
 from .train import build_model
 
 
-def load_model(ckpt: str | Path, *, ema: bool = True):
-    """(model in eval mode, arch dict, checkpoint path) from a file or a run folder."""
+def load_model(ckpt: str | Path, *, ema: bool = True, fused_ops=None):
+    """(model in eval mode, arch dict, checkpoint path) from a file or a run folder; its blocks
+    on `fused_ops` (autohc.ops) if given."""
     path, state = checkpoint.resolve(ckpt)
-    model = build_model(state["arch"])
+    model = build_model(state["arch"], fused_ops)
     model.load_state_dict(state["ema" if ema else "model"])
     return model.eval(), state["arch"], path
 

@@ -52,12 +52,20 @@ class TrainConfig:
     extra: dict = field(default_factory=dict)
 
 
-def build_model(cfg: dict) -> DiT:
-    """The model a checkpoint's "arch" describes."""
+def build_model(cfg: dict, fused_ops=None) -> DiT:
+    """The model a checkpoint's "arch" describes, its blocks on `fused_ops` (autohc.ops) if given."""
     c = model_config(cfg["model"])
     return DiT(input_size=cfg["input_size"], patch_size=c.patch, in_channels=cfg["in_channels"],
                hidden_size=c.hidden, depth=c.depth, num_heads=c.heads, num_classes=cfg["num_classes"],
-               class_dropout_prob=cfg["class_dropout"], learn_sigma=cfg["learn_sigma"])
+               class_dropout_prob=cfg["class_dropout"], learn_sigma=cfg["learn_sigma"]).use_fused_ops(fused_ops)
+
+
+def autohc_ops(use_autohc: bool):
+    """autohc's fused operators for a run on autohc, else None (plain torch)."""
+    if not use_autohc:
+        return None
+    from ..torch.ops import FUSED
+    return FUSED
 
 
 @torch.no_grad()
@@ -73,7 +81,7 @@ def ema_update(ema: torch.nn.Module, model: torch.nn.Module, decay: float, step:
 def make_optimizer(params, *, lr: float, weight_decay: float, use_autohc: bool):
     """autohc's fused AdamW, or torch's default one (foreach) as a stock script has it."""
     if use_autohc:
-        from ..optim import AdamW
+        from ..torch.optim import AdamW
         return AdamW(params, lr=lr, weight_decay=weight_decay)
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
 
@@ -107,7 +115,7 @@ class Trainer:
                 raise ValueError(f"--resume: {resumed[0]} was trained with a different setup: "
                                  + ", ".join(f"{k} {a!r} (now {b!r})" for k, (a, b) in diff.items()))
         torch.manual_seed(cfg.seed)
-        self.model = build_model(self.arch)
+        self.model = build_model(self.arch, autohc_ops(cfg.autohc))
         self.ema = copy.deepcopy(self.model).requires_grad_(False).eval()
         self.opt = make_optimizer([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
                                   weight_decay=cfg.weight_decay, use_autohc=cfg.autohc)

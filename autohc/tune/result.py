@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..codegen import GemmParams
-from ..problem import GemmProblem
+from ..kernels.gemm.params import GemmParams
+from ..kernels.gemm.problem import GemmProblem
 
 
 @dataclass

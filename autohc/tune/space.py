@@ -2,7 +2,7 @@
 
 The tuner knows no parameter names: it reads them from the YAML. Values are categorical;
 `sets: [a, b]` splits "AxB" into two parameters, `multiple_of: p` rounds up to a multiple of
-parameter p. The thread geometry (clusters, tm, tn) is every factorisation of the threads.
+parameter p. The thread geometry "JCxICxJR" (jc_ways, ic_ways, jr_ways) is every factorisation of the threads.
 """
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from ..codegen import GemmParams, default_params
-from ..codegen.params import ISAS
+from ..kernels.gemm.params import ISAS, GemmParams, default_params
 
 
 def spaces_dir() -> Path:
@@ -36,7 +35,7 @@ def load_space(op: str = "gemm") -> dict:
 
 
 def geometries(threads: int) -> list[str]:
-    """'CxMxN' for every clusters * tm * tn == threads."""
+    """'JCxICxJR' for every jc_ways * ic_ways * jr_ways == threads."""
     out = []
     for c in range(1, threads + 1):
         if threads % c:
@@ -87,7 +86,7 @@ def suggest_params(trial, isa: str, threads: int, op: str = "gemm") -> GemmParam
     for name, base in rounding.items():
         values[name] = max(values[base], math.ceil(values[name] / values[base]) * values[base])
     geo = trial.suggest_categorical("geometry", geometries(threads))
-    values["clusters"], values["tm"], values["tn"] = (int(x) for x in geo.split("x"))
+    values["jc_ways"], values["ic_ways"], values["jr_ways"] = (int(x) for x in geo.split("x"))
     return GemmParams(**values).validate()
 
 
@@ -100,5 +99,5 @@ def as_suggestions(params: GemmParams, isa: str, op: str = "gemm") -> dict:
             out[name] = "x".join(str(p[s]) for s in spec["sets"])
         else:
             out[name] = p[name]
-    out["geometry"] = f"{p['clusters']}x{p['tm']}x{p['tn']}"
+    out["geometry"] = f"{p['jc_ways']}x{p['ic_ways']}x{p['jr_ways']}"
     return out

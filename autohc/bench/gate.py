@@ -1,0 +1,96 @@
+"""CI perf-regression gate: speed RATIOS (autohc / torch, timed interleaved in one run) against
+a committed baseline, per CPU fingerprint. Ratios survive a noisy shared machine where
+absolute GFLOP/s do not.
+
+    autohc bench gate                      # check (exit 1 on a regression)
+    autohc bench gate --update             # measure and rewrite the baseline for this CPU
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+from ..hw import cpu
+from ..kernels.gemm.kernel import default_kernel_params
+from ..kernels.gemm.problem import dit_problems
+from .gemm import bench_problem
+
+DEFAULT_BASELINE = Path(__file__).resolve().parents[2] / "bench" / "baseline.json"
+MARGIN = 0.25          # a ratio may fall 25 % below its baseline before the gate fails
+GATE_THREADS = (1, 2)
+
+
+def gate_problems():
+    """The forward token GEMMs of DiT-XL/2 plus the skinny adaLN one: the hot path, < 2 min."""
+    return [p for p in dit_problems("dit-xl") if p.layout == "NT"]
+
+
+def _key(p, threads: int) -> str:
+    return f"{p.name}/{p.layout}/{p.M}x{p.K}x{p.N}/t{threads}"
+
+
+def measure_ratios(repeats: int = 5, rounds: int = 3, progress=None,
+                   only: set[str] | None = None) -> dict[str, float]:
+    """Median over `rounds` of each problem's autohc/torch ratio (`only`: these keys)."""
+    out = {}
+    for threads in GATE_THREADS:
+        if threads > cpu.detect().cores:
+            continue
+        for p in gate_problems():
+            if only is not None and _key(p, threads) not in only:
+                continue
+            # the default configuration: the same kernel on every machine of a CPU model,
+            # whatever its registry holds
+            params = default_kernel_params(threads)
+            rs = [bench_problem(p, threads, repeats=repeats, with_numpy=False, params=params)
+                  .speedup_vs_torch for _ in range(rounds)]
+            out[_key(p, threads)] = round(statistics.median(rs), 3)
+            if progress:
+                progress(_key(p, threads), out[_key(p, threads)])
+    return out
+
+
+def load_baseline(path: Path) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def update(path: Path = DEFAULT_BASELINE, progress=None) -> dict:
+    info = cpu.detect()
+    data = load_baseline(path)
+    data[info.fingerprint] = {"cpu": info.model, "isa": cpu.best_isa(info), "measured_at": time.time(),
+                              "ratios": measure_ratios(progress=progress)}
+    Path(path).write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    return data[info.fingerprint]
+
+
+def check(path: Path = DEFAULT_BASELINE, margin: float = MARGIN, progress=None) -> tuple[bool, list[str]]:
+    """(passed, report lines). No baseline for this CPU: passes, and says so."""
+    info = cpu.detect()
+    base = load_baseline(path).get(info.fingerprint)
+    if base is None:
+        return True, [f"no baseline for this CPU ({info.model}, fingerprint {info.fingerprint}) in "
+                      f"{path}: gate not applied; record one with `autohc bench gate --update`"]
+    now = measure_ratios(progress=progress)
+    # a shared machine has bad moments: re-measure what looks regressed once, longer
+    suspects = {k for k, ref in base["ratios"].items() if k in now and now[k] < ref * (1 - margin)}
+    if suspects:
+        again = measure_ratios(rounds=5, progress=progress, only=suspects)
+        now.update({k: max(now[k], v) for k, v in again.items()})
+    lines, ok = [], True
+    for key, ref in sorted(base["ratios"].items()):
+        if key not in now:
+            continue
+        got = now[key]
+        change = got / ref - 1
+        if got < ref * (1 - margin):
+            ok = False
+            lines.append(f"REGRESSION {key}: {got:.2f}x torch, baseline {ref:.2f}x "
+                         f"({100 * change:+.0f}%, allowed -{100 * margin:.0f}%)")
+        else:
+            lines.append(f"ok         {key}: {got:.2f}x torch, baseline {ref:.2f}x ({100 * change:+.0f}%)")
+    return ok, lines

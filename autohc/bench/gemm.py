@@ -1,0 +1,116 @@
+"""GEMM benchmark: autohc vs torch.matmul (MKL) vs numpy (OpenBLAS), measured in one run.
+
+The machine is shared and noisy, so the three are timed by the one protocol (bench/timing.py:
+interleaved, warmed up, samples of 20 ms and more, medians with their spread); ratios measured
+side by side are the figures to trust, not absolute numbers from another day.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from ..hw import cpu
+from ..kernels.gemm.kernel import default_kernel_params, get_kernel
+from ..kernels.gemm.matmul import matmul, tuned_params
+from ..kernels.gemm.params import GemmParams
+from ..kernels.gemm.problem import GemmProblem, dit_problems
+from . import timing
+
+
+def set_blas_threads(threads: int):
+    """numpy's OpenBLAS and torch's MKL/OpenMP to `threads`; returns an undo callable."""
+    from threadpoolctl import threadpool_limits
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    limiter = threadpool_limits(limits=threads, user_api="blas")
+
+    def undo():
+        torch.set_num_threads(old)
+        limiter.restore_original_limits()
+    return undo
+
+
+@dataclass
+class GemmRow:
+    name: str
+    layout: str
+    M: int
+    K: int
+    N: int
+    threads: int
+    gflops: float
+    torch_gflops: float
+    numpy_gflops: float
+    pct_peak: float
+    speedup_vs_torch: float
+    speedup_vs_numpy: float
+    config: str = "default"         # default | tuned (from the registry) | given
+    spread_pct: float = 0.0         # autohc's spread (IQR / median, %)
+    torch_spread_pct: float = 0.0
+
+
+def bench_problem(p: GemmProblem, threads: int, *, repeats: int = 7, params: GemmParams | None = None,
+                  peak_per_core: float | None = None, target_seconds: float = 0.25,
+                  with_numpy: bool = True) -> GemmRow:
+    """Time one problem for autohc, torch and numpy by the timing protocol (bench/timing.py)."""
+    a, b = p.operands()
+    # the layout of the operands in the GEMM sense: result is (a.rows, b.cols)
+    M, K = a.shape
+    N = b.shape[1]
+    out = torch.empty(M, N)
+    an, bn, on = a.numpy(), b.numpy(), np.empty((M, N), np.float32)
+    if params is None:      # what autohc.matmul runs: the registry's config, else the default
+        run_params = tuned_params(M, K, N, a.stride(), b.stride(), threads)
+        config = "default" if run_params == default_kernel_params(threads) else "tuned"
+    else:
+        run_params, config = params, "given"
+    get_kernel(run_params)
+    fns = {
+        "autohc": lambda: matmul(a, b, out=out, params=run_params),
+        "torch": lambda: torch.matmul(a, b, out=out),
+        "numpy": lambda: np.matmul(an, bn, out=on),
+    }
+    if not with_numpy:
+        del fns["numpy"]
+    undo = set_blas_threads(threads)
+    try:
+        times = timing.interleaved(fns, samples=repeats, max_seconds=20 * target_seconds)
+    finally:
+        undo()
+    g = {k: p.flops / v.median / 1e9 for k, v in times.items()}
+    g.setdefault("numpy", float("nan"))
+    peak = (peak_per_core or 0.0) * threads
+    return GemmRow(p.name, p.layout, p.M, p.K, p.N, threads, round(g["autohc"], 1),
+                   round(g["torch"], 1), round(g["numpy"], 1),
+                   round(100 * g["autohc"] / peak, 1) if peak else float("nan"),
+                   round(g["autohc"] / g["torch"], 3), round(g["autohc"] / g["numpy"], 3), config,
+                   times["autohc"].spread_pct, times["torch"].spread_pct)
+
+
+def geomean(xs) -> float:
+    xs = list(xs)
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def bench_gemm(model: str = "dit-xl", threads: int = 1, *, repeats: int = 7, progress=None,
+               images: int = 8) -> dict:
+    """All DiT training GEMMs of `model` at `threads`; the JSON object of `autohc bench gemm`."""
+    from .peak import fma_peak_gflops
+    isa = cpu.best_isa()
+    peak = fma_peak_gflops(isa)
+    rows = []
+    for p in dit_problems(model, images):
+        rows.append(bench_problem(p, threads, repeats=repeats, peak_per_core=peak))
+        if progress:
+            progress(rows[-1])
+    return {
+        "model": model, "threads": threads, "isa": isa, "cpu": cpu.detect().model,
+        "fingerprint": cpu.detect().fingerprint, "peak_gflops_per_core": round(peak, 1),
+        "torch_version": torch.__version__, "numpy_version": np.__version__,
+        "rows": [asdict(r) for r in rows],
+        "geomean_speedup_vs_torch": round(geomean(r.speedup_vs_torch for r in rows), 3),
+        "geomean_speedup_vs_numpy": round(geomean(r.speedup_vs_numpy for r in rows), 3),
+    }

@@ -1,0 +1,166 @@
+"""`autohc bench ops`: each generated operator on DiT-XL/2-sized tensors (8 images: 2048 x 1152
+tokens x hidden, 2048 x 4608 MLP activations, 8 x 16 x 256 x 256 attention scores) against
+torch eager, and autohc.optim.AdamW against torch.optim.AdamW (fused=True and foreach=True)
+over the 675M parameters of DiT-XL/2.
+
+The autohc and torch versions of an op are timed by the one protocol (bench/timing.py:
+interleaved, warmed up, samples of 20 ms and more, medians with their spread), each call
+producing a fresh output as in training. Effective GB/s counts the bytes an op
+must move at least (inputs read once, outputs written once); % of bandwidth relates it to a
+copy (read + write) measured in the same run with the same threads.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..torch import ops
+from . import timing
+
+XL_PARAMS = 675_129_632
+
+
+@dataclass
+class OpRow:
+    name: str
+    shape: str
+    ms: float
+    torch_ms: float
+    speedup: float
+    gbps: float
+    pct_bandwidth: float
+    torch_gbps: float
+    baseline: str           # what torch_ms measured
+    spread_pct: float = 0.0  # autohc's spread (IQR / median, %)
+
+
+def copy_bandwidth_gbps(mbytes: int = 512) -> float:
+    """Best of 5 copies of `mbytes` with torch at the current thread count (read + write)."""
+    src = torch.ones(mbytes << 18)
+    dst = torch.empty_like(src)
+    best = 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = max(best, 2 * src.nbytes / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def _modulate_ref(x, scale, shift):
+    return F.layer_norm(x, x.shape[-1:], eps=1e-6) * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+def grad_fn(fn, *inputs):
+    """A callable running only the backward of fn(*inputs) (graph built once, retained)."""
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    y = fn(*leaves)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))   # same for both sides
+    return lambda: torch.autograd.grad(y, leaves, g, retain_graph=True)
+
+
+def op_cases(images: int = 8):
+    """(name, shape, bytes moved, autohc callable, torch callable) per operator."""
+    T, D, H, heads = 256, 1152, 4608, 16
+    M = images * T
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(M, H, generator=g)
+    dbig = torch.randn(M, H, generator=g)
+    x = torch.randn(images, T, D, generator=g)
+    y = torch.randn(images, T, D, generator=g)
+    scale, shift, gate = (torch.randn(images, D, generator=g) * 0.1 for _ in range(3))
+    att = torch.randn(images, heads, T, T, generator=g)
+    p_att = torch.softmax(att, -1)
+    datt = torch.randn_like(att)
+    n_big, n_x, n_att = big.numel() * 4, x.numel() * 4, att.numel() * 4
+    shp_big, shp_x = f"{M}x{H}", f"{images}x{T}x{D}"
+    shp_att = f"{images}x{heads}x{T}x{T}"
+    return [
+        ("gelu_tanh", shp_big, 2 * n_big, lambda: ops.gelu_tanh(big), lambda: F.gelu(big, approximate="tanh")),
+        ("gelu_tanh_backward", shp_big, 3 * n_big, lambda: ops.gelu_tanh_backward(dbig, big),
+         lambda: torch.ops.aten.gelu_backward(dbig, big, approximate="tanh")),
+        ("silu", shp_big, 2 * n_big, lambda: ops.silu(big), lambda: F.silu(big)),
+        ("silu_backward", shp_big, 3 * n_big, lambda: ops.silu_backward(dbig, big),
+         lambda: torch.ops.aten.silu_backward(dbig, big)),
+        ("layernorm_modulate", shp_x, 2 * n_x, lambda: ops.layernorm_modulate(x, scale, shift),
+         lambda: _modulate_ref(x, scale, shift)),
+        ("layernorm_modulate_backward", shp_x, 3 * n_x,
+         grad_fn(ops.layernorm_modulate, x, scale, shift), grad_fn(_modulate_ref, x, scale, shift)),
+        ("softmax", shp_att, 2 * n_att, lambda: ops.softmax(att), lambda: torch.softmax(att, -1)),
+        ("softmax_backward", shp_att, 3 * n_att, lambda: ops.softmax_backward(datt, p_att),
+         lambda: torch._softmax_backward_data(datt, p_att, -1, torch.float32)),
+        ("gated_residual", shp_x, 3 * n_x, lambda: ops.gated_residual(x, y, gate),
+         lambda: x + gate.unsqueeze(1) * y),
+    ]
+
+
+def adamw_params(n: int) -> list[torch.Tensor]:
+    """DiT-XL/2's parameter tensors for n = its count, else tensors of up to 1152 x 4608."""
+    if n == XL_PARAMS:
+        from ..dit import DiT
+        with torch.device("meta"):
+            shapes = [p.shape for p in DiT.from_name("DiT-XL/2").parameters()]
+    else:
+        chunk = 1152 * 4608
+        shapes = [(chunk,)] * (n // chunk) + ([(n % chunk,)] if n % chunk else [])
+    params = []
+    for s in shapes:
+        p = torch.empty(s).uniform_(-0.05, 0.05)
+        p.grad = torch.empty(s).uniform_(-1e-3, 1e-3)
+        params.append(p)
+    return params
+
+
+def bench_adamw(n: int = XL_PARAMS, repeats: int = 3, progress=None) -> tuple[OpRow, dict]:
+    """autohc AdamW vs torch fused / foreach on n parameters, one optimizer at a time (the
+    three states would not fit together at 675M); 28 bytes per parameter moved."""
+    from ..torch.optim import AdamW
+    say = progress or (lambda m: None)
+    params = adamw_params(n)
+    makers = {"autohc": lambda: AdamW(params, lr=1e-4, weight_decay=0.0),
+              "torch_fused": lambda: torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=True),
+              "torch_foreach": lambda: torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, foreach=True)}
+    ms = {}
+    for name, make in makers.items():   # one at a time: three states would not fit together
+        opt = make()
+        opt.step()                      # allocates and first-touches the state
+        t = timing.interleaved({name: opt.step}, samples=repeats, warmup=0, min_sample_s=0.0)
+        ms[name] = 1e3 * t[name].median
+        say(f"  adamw {name}: {ms[name]:.1f} ms (spread {t[name].spread_pct:.0f}%)")
+        del opt
+    best = min(("torch_fused", "torch_foreach"), key=ms.get)
+    nbytes = 28 * n
+    row = OpRow("adamw", f"{n / 1e6:.1f}M params", ms["autohc"], ms[best], ms[best] / ms["autohc"],
+                nbytes / ms["autohc"] / 1e6, 0.0, nbytes / ms[best] / 1e6, best)
+    return row, ms
+
+
+def bench_ops(images: int = 8, repeats: int = 9, adamw_params: int = XL_PARAMS,
+              names: list[str] | None = None, progress=None) -> dict:
+    say = progress or (lambda m: None)
+    cases = op_cases(images)
+    unknown = set(names or ()) - {c[0] for c in cases} - {"adamw"}
+    if unknown:
+        raise ValueError(f"unknown op {sorted(unknown)}; one of {', '.join(c[0] for c in cases)}, adamw")
+    bw = copy_bandwidth_gbps()
+    say(f"copy bandwidth at {torch.get_num_threads()} threads: {bw:.1f} GB/s")
+    rows = []
+    for name, shape, nbytes, mine, theirs in cases:
+        if names and name not in names:
+            continue
+        tt = timing.interleaved({"autohc": mine, "torch": theirs}, samples=repeats)
+        t = {k: v.median for k, v in tt.items()}
+        gbps = nbytes / t["autohc"] / 1e9
+        rows.append(OpRow(name, shape, 1e3 * t["autohc"], 1e3 * t["torch"], t["torch"] / t["autohc"],
+                          gbps, 100 * gbps / bw, nbytes / t["torch"] / 1e9, "torch eager",
+                          tt["autohc"].spread_pct))
+        say(f"  {name}: {rows[-1].ms:.2f} ms vs torch {rows[-1].torch_ms:.2f} ms")
+    adamw = None
+    if adamw_params and (not names or "adamw" in names):
+        row, adamw = bench_adamw(adamw_params, progress=say)
+        row.pct_bandwidth = 100 * row.gbps / bw
+        rows.append(row)
+    return {"threads": torch.get_num_threads(), "images": images, "bandwidth_gbps": bw,
+            "rows": [asdict(r) for r in rows], "adamw_ms": adamw}

@@ -1,0 +1,121 @@
+"""`autohc bench step`: one DiT training step (forward, backward, AdamW) with stock torch
+eager, torch.compile (inductor) and autohc, measured in one run.
+
+Every mode starts from the same seed (weights, data, timesteps, noise, label dropout), so
+their losses step by step differ only by floating-point rounding; they are compared against
+stock. Steps of the modes are interleaved (stock, compiled, autohc, stock, ...) so that the
+machine's noise falls on all alike, unless the model is too big for three copies in memory
+(then one mode after the other). Time: median of the steps after warm-up, with the spread
+(bench/timing.py's summary; a step is one sample: it lasts long enough alone).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import psutil
+import torch
+
+from ..dit.diffusion import GaussianDiffusion
+from ..dit.model import config
+from ..dit.train import autohc_ops, build_model, make_optimizer, peak_rss_gb
+from ..torch import dispatch as override
+from . import timing
+
+
+class _Mode:
+    def __init__(self, name: str, model_name: str, batch: int, image_size: int, seed: int = 0,
+                 install_kw: dict | None = None):
+        self.install_kw = install_kw or {}
+        torch.manual_seed(seed)
+        self.name = name
+        self.model = build_model({"model": model_name, "input_size": image_size, "in_channels": 4,
+                                  "num_classes": 1000, "class_dropout": 0.1, "learn_sigma": True},
+                                 autohc_ops(name == "autohc")).train()
+        self.opt = make_optimizer([p for p in self.model.parameters() if p.requires_grad], lr=1e-4,
+                                  weight_decay=0.0, use_autohc=name == "autohc")
+        self.forward = torch.compile(self.model) if name == "compiled" else self.model
+        self.diffusion = GaussianDiffusion()
+        self.gen = torch.Generator().manual_seed(seed + 1)
+        self.rng = torch.get_rng_state()        # the label-dropout stream, kept per mode
+        self.batch, self.size = batch, image_size
+        self.times, self.losses = [], []
+
+    def step(self) -> None:
+        torch.set_rng_state(self.rng)
+        g = self.gen
+        x = torch.randn((self.batch, 4, self.size, self.size), generator=g)
+        y = torch.randint(0, 1000, (self.batch,), generator=g)
+        t = torch.randint(0, 1000, (self.batch,), generator=g)
+        noise = torch.randn(x.shape, generator=g)
+        ctx = override.installed(**self.install_kw) if self.name == "autohc" else contextlib.nullcontext()
+        with ctx:
+            t0 = time.perf_counter()
+            loss = self.diffusion.training_loss(self.forward, x, t, y, noise)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            self.opt.step()
+            self.times.append(time.perf_counter() - t0)
+        self.losses.append(loss.item())
+        self.rng = torch.get_rng_state()
+
+
+def bench_step(model: str, batch: int, *, image_size: int = 32, steps: int = 10, warmup: int = 2,
+               modes=("stock", "compiled", "autohc"), threads: int | None = None,
+               torch_threads: int | None = None, progress=None) -> dict:
+    if warmup >= steps:
+        raise ValueError(f"--warmup {warmup} must be below --steps {steps}")
+    if threads:
+        torch.set_num_threads(threads)
+    say = progress or (lambda m: None)
+    was_installed = override.is_installed()
+    override.uninstall()                # each mode sets its own kernels
+    try:
+        kw = {} if torch_threads is None else {"torch_threads": torch_threads}
+        return _bench(model, batch, image_size, steps, warmup, modes, say, kw)
+    finally:
+        if was_installed:
+            override.install()
+
+
+def _bench(model, batch, image_size, steps, warmup, modes, say, install_kw) -> dict:
+    if "compiled" in modes:
+        import torch._inductor.config as ic
+        ic.fallback_random = True       # inductor draws label dropout as eager does
+    D, depth = config(model).hidden, config(model).depth
+    est = 16 * 18 * D * D * depth * len(modes)   # weights, grads, two moments per mode
+    interleave = est < 0.4 * psutil.virtual_memory().total
+    say(f"bench step: {model} batch {batch}, {torch.get_num_threads()} threads, modes {list(modes)}, "
+        f"{'interleaved' if interleave else 'one after the other'}")
+    runs = []
+    if interleave:
+        runs = [_Mode(m, model, batch, image_size, install_kw=install_kw) for m in modes]
+        for i in range(steps):
+            for r in runs:
+                r.step()
+            say(f"  step {i + 1}/{steps}: " + ", ".join(f"{r.name} {r.times[-1]:.2f} s" for r in runs))
+    else:
+        for m in modes:
+            r = _Mode(m, model, batch, image_size, install_kw=install_kw)
+            for i in range(steps):
+                r.step()
+                say(f"  {m} step {i + 1}/{steps}: {r.times[-1]:.2f} s")
+            runs.append(r)
+            r.model = r.forward = r.opt = None      # free it before the next mode
+    summary = {r.name: timing.summarize(r.times[warmup:]) for r in runs}
+    med = {name: t.median for name, t in summary.items()}
+    losses = {r.name: r.losses for r in runs}
+    ref = losses.get("stock")
+    diff = 0.0
+    if ref:
+        for name, ls in losses.items():
+            diff = max([diff] + [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ls, ref)])
+    out = {"model": model, "batch": batch, "image_size": image_size, "threads": torch.get_num_threads(),
+           "timed_steps": steps - warmup, "interleaved": interleave,
+           "stock_s": med.get("stock"), "compiled_s": med.get("compiled"), "autohc_s": med.get("autohc"),
+           "speedup_vs_stock": med["stock"] / med["autohc"] if {"stock", "autohc"} <= med.keys() else None,
+           "speedup_vs_compiled": med["compiled"] / med["autohc"] if {"compiled", "autohc"} <= med.keys() else None,
+           "spread_pct": {name: t.spread_pct for name, t in summary.items()},
+           "max_loss_rel_diff": diff, "peak_rss_gb": peak_rss_gb(), "losses": losses,
+           "step_times": {r.name: r.times for r in runs}}
+    return out

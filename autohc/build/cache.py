@@ -1,0 +1,244 @@
+"""Build C source into a Python extension (cffi) inside a content-addressed cache.
+
+Key = sha256(source, cdef, flags, compiler version, Python ABI, cffi version): the same kernel
+is compiled once per machine and reused by every later process. Each cache entry holds the
+shared library and `record.json` with its sha256; a library whose hash does not match its
+record is never loaded (loading a library is running code): it is rebuilt. Files are written
+to a temporary name and renamed into place, so two processes building the same kernel at
+once never leave a torn file.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import importlib.machinery
+import importlib.util
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import cffi
+
+OPT_FLAGS = ("-O3", "-fPIC", "-fno-strict-aliasing", "-std=gnu11")
+
+
+class BuildError(RuntimeError):
+    """The compiler rejected generated code (a bug in a template or its parameters)."""
+
+
+class CompilerNotFoundError(BuildError):
+    """No C compiler: autohc cannot build kernels on this machine."""
+
+
+def cache_dir() -> Path:
+    """$AUTOHC_CACHE_DIR, else $XDG_CACHE_HOME/autohc, else ~/.cache/autohc."""
+    if os.environ.get("AUTOHC_CACHE_DIR"):
+        return Path(os.environ["AUTOHC_CACHE_DIR"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "autohc"
+
+
+def compiler() -> str:
+    cc = os.environ.get("CC", "gcc").split()[0]
+    path = shutil.which(cc)
+    if path is None:
+        raise CompilerNotFoundError(
+            f"autohc needs a C compiler to build kernels and found no '{cc}' on PATH: "
+            "install gcc (Debian/Ubuntu: apt-get install gcc; Fedora/RHEL: dnf install gcc; "
+            "macOS: xcode-select --install) or set CC to one")
+    return path
+
+
+@functools.lru_cache(maxsize=8)
+def compiler_version(cc: str) -> str:
+    try:
+        out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60)
+    except OSError as e:
+        raise CompilerNotFoundError(f"cannot run the C compiler {cc}: {e}") from e
+    return out.stdout.splitlines()[0] if out.stdout else cc
+
+
+@dataclass
+class Library:
+    """A loaded, hash-verified kernel library: call functions on `.lib`, make data with `.ffi`."""
+    key: str
+    path: Path
+    sha256: str
+    ffi: object
+    lib: object
+
+
+_loaded: dict[str, Library] = {}
+_lock = threading.Lock()
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def source_key(source: str, cdef: str, flags: tuple[str, ...]) -> str:
+    """Hash of what is compiled, independent of the compiler."""
+    h = hashlib.sha256()
+    for part in (source, cdef, " ".join(flags), sys.implementation.cache_tag,
+                 sysconfig.get_config_var("EXT_SUFFIX") or "", cffi.__version__):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def build_key(source: str, cdef: str, flags: tuple[str, ...], cc: str) -> str:
+    """The cache key: what is compiled and the compiler that compiles it."""
+    h = hashlib.sha256(source_key(source, cdef, flags).encode())
+    h.update(compiler_version(cc).encode())
+    return h.hexdigest()
+
+
+def _entry_without_compiler(skey: str) -> tuple[Path, str] | None:
+    """With no compiler here, any verified build of the same source will do."""
+    for rec in sorted((cache_dir() / "kernels").glob("*/record.json")):
+        try:
+            record = json.loads(rec.read_text())
+            if record.get("source_key") == skey:
+                return rec.parent, record["key"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+def _module_name(key: str) -> str:
+    return f"_autohc_{key[:24]}"
+
+
+def _import(module: str, path: Path):
+    loader = importlib.machinery.ExtensionFileLoader(module, str(path))
+    spec = importlib.util.spec_from_file_location(module, str(path), loader=loader)
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
+
+
+def _load_verified(entry: Path, key: str) -> Library | None:
+    """The cached library of `key` if its record is sound and its hash matches, else None."""
+    record_path = entry / "record.json"
+    if not record_path.exists():
+        return None
+    try:
+        record = json.loads(record_path.read_text())
+        lib_path = entry / record["file"]
+        expected = record["sha256"]
+        if record["key"] != key or Path(record["file"]).name != record["file"]:
+            raise ValueError("record does not belong to this entry")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        warnings.warn(f"autohc: ignoring corrupt cache record {record_path} ({e}); rebuilding",
+                      RuntimeWarning, stacklevel=3)
+        return None
+    if not lib_path.exists():
+        return None
+    actual = _sha256_file(lib_path)
+    if actual != expected:
+        warnings.warn(f"autohc: {lib_path} does not match its recorded sha256 "
+                      f"(got {actual[:12]}, want {expected[:12]}); not loading it, rebuilding",
+                      RuntimeWarning, stacklevel=3)
+        return None
+    mod = _import(_module_name(key), lib_path)
+    return Library(key, lib_path, actual, mod.ffi, mod.lib)
+
+
+def _compile(source: str, cdef: str, flags: tuple[str, ...], cc: str, key: str,
+             workdir: Path) -> Path:
+    module = _module_name(key)
+    ffi = cffi.FFI()
+    ffi.cdef(cdef)
+    ffi.set_source(module, source)
+    c_file = workdir / f"{module}.c"
+    with contextlib.redirect_stdout(io.StringIO()):   # cffi prints 'generating ...'
+        ffi.emit_c_code(str(c_file))
+    out = workdir / f"{module}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
+    cmd = [cc, *OPT_FLAGS, *flags, "-shared", f"-I{sysconfig.get_paths()['include']}",
+           "-o", str(out), str(c_file), "-lpthread"]
+    if sys.platform == "darwin":
+        cmd[1:1] = ["-undefined", "dynamic_lookup"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        err = proc.stderr.strip()
+        if "Python.h: No such file" in err:
+            raise BuildError("autohc cannot find Python.h: install the Python development "
+                             "headers (Debian/Ubuntu: apt-get install python3-dev)")
+        raise BuildError(f"compiling kernel {key[:12]} failed:\n$ {' '.join(cmd)}\n{err[-4000:]}")
+    return out
+
+
+def build(source: str, cdef: str, flags: tuple[str, ...] = (), *, meta: dict | None = None) -> Library:
+    """Compile (or fetch from the cache) and load a verified library. Thread- and process-safe."""
+    flags = tuple(flags)
+    skey = source_key(source, cdef, flags)
+    cc_path = shutil.which(os.environ.get("CC", "gcc").split()[0])
+    found = None if cc_path else _entry_without_compiler(skey)
+    if found:
+        entry, key = found
+    else:
+        key = build_key(source, cdef, flags, compiler())
+        entry = cache_dir() / "kernels" / key[:32]
+    with _lock:
+        if key in _loaded:
+            return _loaded[key]
+        lib = _load_verified(entry, key)
+        if lib is None:
+            cc_path = compiler()     # only now is a compiler needed
+            entry.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=entry, prefix=".build-") as tmp:
+                t0 = time.perf_counter()
+                so = _compile(source, cdef, flags, cc_path, key, Path(tmp))
+                digest = _sha256_file(so)
+                # unique final name: a concurrent builder's library is never overwritten
+                final = entry / f"{so.stem}.{digest[:16]}{''.join(so.suffixes[-1:])}"
+                os.replace(so, final)
+                (entry / "source.c").exists() or atomic_write_text(entry / "source.c", source)
+                record = {"key": key, "source_key": skey, "file": final.name, "sha256": digest, "flags": list(flags),
+                          "compiler": compiler_version(cc_path), "built_at": time.time(),
+                          "build_seconds": round(time.perf_counter() - t0, 3), **(meta or {})}
+                atomic_write_text(entry / "record.json", json.dumps(record, indent=1))
+            lib = _load_verified(entry, key)
+            if lib is None:
+                raise BuildError(f"kernel {key[:12]} was built but cannot be verified in {entry}")
+        _loaded[key] = lib
+        return lib
+
+
+def cache_entries() -> list[dict]:
+    """Records of every cached library (for `autohc cache list`)."""
+    out = []
+    for rec in sorted((cache_dir() / "kernels").glob("*/record.json")):
+        try:
+            out.append({"entry": str(rec.parent), **json.loads(rec.read_text())})
+        except (OSError, ValueError):
+            out.append({"entry": str(rec.parent), "corrupt": True})
+    return out

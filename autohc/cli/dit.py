@@ -1,0 +1,244 @@
+"""`autohc train`, `autohc sample`, `autohc eval` and `autohc bench step`: parsers and runners
+(registered by autohc/cli.py)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..dit.model import MODELS
+from .argtypes import positive_float, positive_int, unit_interval
+
+TRAIN_EPILOG = """examples:
+  autohc train --data digits --out runs/digits        # the laptop default: DiT-Ti/2, 2000 steps, ~8 min
+  autohc train --data digits --steps 4000 --out runs/digits --resume   # continue to 4000 steps
+  autohc train --model DiT-XL/2 --data npy:latents.npy --batch 8 --lr 1e-4 --out runs/xl
+  autohc train --model DiT-S/2 --data folder:imgs/ --image-size 32 --no-autohc --out runs/s
+data:
+  digits          scikit-learn's 8x8 digits, 10 classes (bundled: no download)
+  folder:PATH     one subfolder per class with images (--image-size N resizes)
+  npy:PATH.npy    N x C x H x W (uint8 images, or float latents), labels in PATH.labels.npy
+  synthetic       random data for benchmarks (--image-size, --channels)
+writes to --out: ckpt-<step>.pt (atomic; the last --keep kept), losses.csv, losses.png, samples.png"""
+
+
+def _sampling_args(p, *, steps_alias: bool = False) -> None:
+    p.add_argument("--sampler", choices=["ddim", "ddpm"], default="ddim",
+                   help="ddim (eta 0, --sample-steps steps) or ddpm (all 1000) (default: ddim)")
+    names = ("--sample-steps", "--steps") if steps_alias else ("--sample-steps",)
+    p.add_argument(*names, dest="sample_steps", type=positive_int, default=50, help="DDIM steps (default: 50)")
+    p.add_argument("--cfg", type=positive_float, default=2.0,
+                   help="classifier-free guidance scale; 1 = none (default: 2)")
+
+
+def add_parsers(sub, bsub) -> None:
+    models = ", ".join(MODELS)
+    t = sub.add_parser("train", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       help="train a class-conditional DiT (checkpoints, resume, samples)",
+                       description="Trains a class-conditional DiT with the epsilon-MSE diffusion loss, AdamW and\n"
+                                   "EMA, on autohc's tuned GEMMs and fused operators (--no-autohc: stock torch).\n"
+                                   "Shows loss, steps/s, images/s, GFLOP/s and peak RSS. --resume continues from\n"
+                                   "the newest checkpoint in --out, with losses bit-identical to an uninterrupted run.",
+                       epilog=TRAIN_EPILOG)
+    t.add_argument("--model", default="DiT-Ti/2", choices=list(MODELS), metavar="NAME",
+                   help=f"one of {models} (default: DiT-Ti/2)")
+    t.add_argument("--data", default="digits", help="digits | folder:PATH | npy:PATH | synthetic (default: digits)")
+    t.add_argument("--steps", type=positive_int, default=2000, help="train until this step (default: 2000)")
+    t.add_argument("--batch", type=positive_int, default=64, help="images per step (default: 64)")
+    t.add_argument("--out", default="runs/dit", help="run folder (default: runs/dit)")
+    t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    t.add_argument("--no-autohc", action="store_true", help="stock torch kernels and torch.optim.AdamW")
+    t.add_argument("--lr", type=positive_float, default=1e-3,
+                   help="AdamW learning rate (default: 1e-3; the DiT paper uses 1e-4 for ImageNet)")
+    t.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default: 0)")
+    t.add_argument("--ema", type=unit_interval, default=0.9999, help="EMA decay (default: 0.9999, with warm-up)")
+    t.add_argument("--ckpt-every", type=positive_int, default=500, help="checkpoint every K steps (default: 500)")
+    t.add_argument("--keep", type=positive_int, default=3, help="checkpoints kept (default: 3)")
+    t.add_argument("--seed", type=int, default=0, help="seed of init, data order and noise (default: 0)")
+    t.add_argument("--threads", type=positive_int, default=None, help="threads (default: every usable CPU)")
+    t.add_argument("--image-size", type=positive_int, default=None, help="resize folder images / synthetic size")
+    t.add_argument("--channels", type=positive_int, default=3, help="synthetic data channels (default: 3)")
+    t.add_argument("--class-dropout", type=unit_interval, default=0.1,
+                   help="label dropout for classifier-free guidance (default: 0.1)")
+    t.add_argument("--learn-sigma", action="store_true",
+                   help="model also outputs variance channels (reference layout; not trained by the MSE loss)")
+    t.add_argument("--samples-per-class", type=positive_int, default=8,
+                   help="samples per class in samples.png at the end (default: 8; up to 10 classes)")
+    _sampling_args(t)
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--json", action="store_true", help="print a JSON summary at the end")
+
+    s = sub.add_parser("sample", help="PNG grid of class-conditional samples from a checkpoint",
+                       description="Samples from a checkpoint's EMA weights, one row per class.",
+                       epilog="example:  autohc sample --ckpt runs/digits --classes 0 1 2 3 --per-class 8 --out grid.png")
+    s.add_argument("--ckpt", required=True, help="checkpoint file, or a run folder (its newest)")
+    s.add_argument("--classes", type=int, nargs="+", default=None, help="classes (default: the first 10)")
+    s.add_argument("--per-class", type=positive_int, default=8, help="samples per class (default: 8)")
+    s.add_argument("--out", default="samples.png", help="PNG path (default: samples.png)")
+    s.add_argument("--seed", type=int, default=0, help="noise seed (default: 0)")
+    s.add_argument("--raw", action="store_true", help="the raw model weights instead of the EMA")
+    s.add_argument("--no-autohc", action="store_true", help="stock torch kernels")
+    _sampling_args(s, steps_alias=True)
+
+    e = sub.add_parser("eval", help="digits quality: class match and Fréchet distance of samples",
+                       description="Generates samples of every digit class and labels them with a "
+                                   "classifier trained on the real digits (scikit-learn). Reports "
+                                   "the share classified as the class asked for and the Fréchet "
+                                   "distance to the real digits in the classifier's feature space.",
+                       epilog="example:  autohc eval --ckpt runs/digits --per-class 100 --json")
+    e.add_argument("--ckpt", required=True, help="checkpoint file, or a run folder (its newest)")
+    e.add_argument("--per-class", type=positive_int, default=100, help="samples per class (default: 100)")
+    e.add_argument("--seed", type=int, default=0, help="noise seed (default: 0)")
+    e.add_argument("--raw", action="store_true", help="the raw model weights instead of the EMA")
+    e.add_argument("--json", action="store_true", help="one JSON object")
+    e.add_argument("--no-autohc", action="store_true", help="stock torch kernels")
+    _sampling_args(e, steps_alias=True)
+
+    b = bsub.add_parser("step", formatter_class=argparse.RawDescriptionHelpFormatter,
+                        help="one DiT training step: stock torch vs torch.compile vs autohc",
+                        description="Times one training step (forward, backward, AdamW) of a DiT on synthetic 256px\n"
+                                    "latents (32x32x4, 1000 classes) with stock torch eager, torch.compile (inductor)\n"
+                                    "and autohc, in one run: steps interleaved (one mode after the other when three\n"
+                                    "copies would not fit in memory), median after warm-up; the losses of the\n"
+                                    "steps from the same seed are compared.",
+                        epilog="examples:\n  autohc bench step --model DiT-S/2 --batch 8\n"
+                               "  autohc bench step --model DiT-XL/2 --batch 4 --json\n"
+                               "  autohc bench step --modes stock autohc --steps 6")
+    b.add_argument("--model", default="DiT-S/2", choices=list(MODELS), metavar="NAME",
+                   help=f"one of {models} (default: DiT-S/2)")
+    b.add_argument("--batch", type=positive_int, default=8, help="images per step (default: 8)")
+    b.add_argument("--image-size", type=positive_int, default=32, help="latent size (default: 32 = 256px)")
+    b.add_argument("--steps", type=positive_int, default=10, help="steps per mode (default: 10)")
+    b.add_argument("--warmup", type=positive_int, default=2, help="of which untimed (default: 2)")
+    b.add_argument("--modes", nargs="+", choices=["stock", "compiled", "autohc"],
+                   default=["stock", "compiled", "autohc"], help="what to run (default: all three)")
+    b.add_argument("--threads", type=positive_int, default=None, help="threads (default: every usable CPU)")
+    b.add_argument("--torch-threads", type=positive_int, default=None,
+                   help="torch's own threads while autohc is installed (default: install()'s)")
+    b.add_argument("--json", action="store_true", help="one JSON object")
+
+
+def _kernels(args):
+    """autohc installed for the command, unless --no-autohc."""
+    import contextlib
+    import autohc
+    return contextlib.nullcontext() if args.no_autohc else autohc.installed()
+
+
+def _fused_ops(args):
+    """autohc's fused operators for the model, unless --no-autohc."""
+    from ..dit.train import autohc_ops
+    return autohc_ops(not args.no_autohc)
+
+
+def _generate(model, arch, classes, per_class: int, args, progress: bool):
+    """Samples of `classes` with the sampler, steps, guidance and seed the command was given."""
+    from ..dit.sample import generate
+    return generate(model, arch, classes, per_class=per_class, sampler=args.sampler,
+                    steps=args.sample_steps, cfg=args.cfg, seed=args.seed, progress=progress)
+
+
+def cmd_train(args) -> int:
+    import torch
+    if args.threads:                    # before install(), which takes the count for its kernels
+        torch.set_num_threads(args.threads)
+    with _kernels(args):
+        return _train(args)
+
+
+def _train(args) -> int:
+    from ..dit import data as datalib
+    from ..dit.sample import plot_losses, save_grid
+    from ..dit.train import TrainConfig, Trainer
+    from ..torch.threads import kernel_threads
+    cfg = TrainConfig(model=args.model, data=args.data, steps=args.steps, batch=args.batch,
+                      out=args.out, lr=args.lr, weight_decay=args.weight_decay, ema=args.ema,
+                      ckpt_every=args.ckpt_every, keep=args.keep, seed=args.seed,
+                      autohc=not args.no_autohc, threads=args.threads, image_size=args.image_size,
+                      channels=args.channels, class_dropout=args.class_dropout,
+                      learn_sigma=args.learn_sigma, sample_steps=args.sample_steps, cfg=args.cfg,
+                      extra={"resume": args.resume})
+    try:
+        trainer = Trainer(cfg)
+    except (datalib.DataError, ValueError) as e:
+        print(f"autohc: {e}", file=sys.stderr)
+        return 1
+    if trainer.resumed_from:
+        print(f"autohc: resuming from {trainer.resumed_from} (step {trainer.step})", file=sys.stderr)
+    if trainer.step >= cfg.steps:
+        print(f"autohc: {args.out} is already at step {trainer.step} >= --steps {cfg.steps}", file=sys.stderr)
+    summary = trainer.run(progress=not args.no_progress)
+    out = Path(args.out)
+    plot_losses(trainer.losses, out / "losses.png")
+    classes = list(range(min(10, trainer.data.num_classes)))
+    x, _ = _generate(trainer.ema.eval(), trainer.arch, classes, args.samples_per_class, args,
+                     progress=not args.no_progress)
+    save_grid(x, len(classes), out / "samples.png")
+    summary.update(out=str(out), losses_png=str(out / "losses.png"), samples_png=str(out / "samples.png"),
+                   model=args.model, batch=args.batch, autohc=not args.no_autohc,
+                   threads=kernel_threads())
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(f"autohc: {summary['steps']} steps ({summary['new_steps']} now) in {summary['seconds']:.0f} s: "
+              f"{summary['steps_per_s']:.2f} steps/s, {summary['images_per_s']:.0f} images/s, "
+              f"{summary['gflops']:.0f} GFLOP/s, final loss {summary['final_loss']:.4f}, "
+              f"peak RSS {summary['peak_rss_gb']:.2f} GB\n"
+              f"autohc: wrote {out}/losses.png, {out}/samples.png; checkpoints in {out}")
+    return 0
+
+
+def cmd_sample(args) -> int:
+    from ..dit.sample import load_model, save_grid
+    model, arch, path = load_model(args.ckpt, ema=not args.raw, fused_ops=_fused_ops(args))
+    classes = args.classes if args.classes is not None else list(range(min(10, arch["num_classes"])))
+    with _kernels(args):
+        x, _ = _generate(model, arch, classes, args.per_class, args, progress=True)
+    save_grid(x, len(classes), args.out)
+    print(f"autohc: {len(x)} samples from {path} -> {args.out}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from ..dit.evaluate import evaluate_digits
+    from ..dit.sample import load_model
+    model, arch, path = load_model(args.ckpt, ema=not args.raw, fused_ops=_fused_ops(args))
+    if (arch["in_channels"], arch["input_size"], arch["num_classes"]) != (1, 8, 10):
+        raise ValueError(f"{path}: autohc eval checks digits models (1 x 8 x 8, 10 classes); this one is "
+                         f"{arch['in_channels']} x {arch['input_size']} x {arch['input_size']}, "
+                         f"{arch['num_classes']} classes")
+    with _kernels(args):
+        x, y = _generate(model, arch, list(range(10)), args.per_class, args, progress=not args.json)
+    r = evaluate_digits(x, y)
+    r.update(ckpt=str(path), sampler=args.sampler, sample_steps=args.sample_steps, cfg=args.cfg)
+    if args.json:
+        print(json.dumps(r, indent=2))
+    else:
+        print(f"{path}: {r['samples']} samples ({args.sampler}, {args.sample_steps} steps, cfg {args.cfg})\n"
+              f"  classified as the class asked for: {100 * r['class_match']:.1f}%  "
+              f"(per class: {', '.join(f'{k}: {100 * v:.0f}%' for k, v in r['per_class'].items())})\n"
+              f"  Fréchet distance to the real digits: {r['frechet']:.3f}  "
+              f"(between two halves of the real digits: {r['frechet_real_halves']:.3f})\n"
+              f"  classifier accuracy on held-out real digits: {100 * r['classifier_test_accuracy']:.1f}%")
+    return 0
+
+
+def cmd_bench_step(args) -> int:
+    from ..bench.step import bench_step
+    r = bench_step(args.model, args.batch, image_size=args.image_size, steps=args.steps,
+                   warmup=args.warmup, modes=args.modes, threads=args.threads,
+                   torch_threads=args.torch_threads,
+                   progress=lambda m: print(m, file=sys.stderr, flush=True))
+    if args.json:
+        print(json.dumps(r, indent=2))
+        return 0
+    print(f"{r['model']} batch {r['batch']}, {r['threads']} threads, median of {r['timed_steps']} steps:")
+    for m in args.modes:
+        print(f"  {m:9s} {r[m + '_s']:.3f} s/step")
+    for k in ("speedup_vs_stock", "speedup_vs_compiled"):
+        if r.get(k) is not None:
+            print(f"  autohc {k.replace('_', ' ')}: {r[k]:.2f}x")
+    print(f"  max relative loss difference vs stock over {args.steps} steps: {r['max_loss_rel_diff']:.2e}; "
+          f"peak RSS {r['peak_rss_gb']:.2f} GB")
+    return 0

@@ -1,0 +1,1 @@
+"""What this machine is: CPU model, ISA flags, cores, caches and NUMA nodes (cpu)."""

@@ -1,0 +1,84 @@
+"""Typed, validated parameters of the element-wise operator kernels (templates/ops) and the
+knobs each kernel's template really uses."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+from ...hw import cpu
+from ..family import ParamError
+from ..isa import ISAS
+
+# kernel -> the template knobs its code depends on. `unroll` shapes only the streaming
+# element-wise loop; the row kernels keep a row in L1 and have no unrolled loop; AdamW
+# updates in place (its lines are read anyway), so streaming stores buy it nothing.
+KERNELS: dict[str, tuple[str, ...]] = {
+    "gelu_tanh_fwd": ("vl", "unroll", "stream_stores", "threads"),
+    "gelu_tanh_bwd": ("vl", "unroll", "stream_stores", "threads"),
+    "silu_fwd": ("vl", "unroll", "stream_stores", "threads"),
+    "silu_bwd": ("vl", "unroll", "stream_stores", "threads"),
+    "tanh_fwd": ("vl", "unroll", "stream_stores", "threads"),
+    "ln_mod_fwd": ("vl", "stream_stores", "threads"),
+    "ln_mod_bwd": ("vl", "stream_stores", "threads"),
+    "softmax_fwd": ("vl", "stream_stores", "threads"),
+    "softmax_bwd": ("vl", "stream_stores", "threads"),
+    "gated_residual": ("vl", "stream_stores", "threads"),
+    "adamw": ("vl", "threads"),
+}
+LEGACY_NAMES = {"nt": "stream_stores"}       # registries of earlier releases
+
+
+@dataclass(frozen=True)
+class EltwiseParams:
+    isa: str = "avx2"
+    vl: int = 8                 # fp32 lanes per vector
+    unroll: int = 2             # vectors per loop iteration
+    stream_stores: bool = False  # non-temporal stores for results of 8 MB and more per call
+    threads: int = 0            # most threads a call splits over: 0 = all it is given
+
+    def validate(self) -> "EltwiseParams":
+        if self.isa not in ISAS:
+            raise ParamError(f"isa={self.isa!r}: one of {tuple(ISAS)}")
+        if type(self.vl) is not int or self.vl not in (4, 8, 16):
+            raise ParamError(f"vl={self.vl!r}: one of (4, 8, 16)")
+        if type(self.unroll) is not int or not 1 <= self.unroll <= 8:
+            raise ParamError(f"unroll={self.unroll!r}: an int in [1, 8]")
+        if type(self.stream_stores) is not bool:
+            raise ParamError(f"stream_stores={self.stream_stores!r}: true or false")
+        if type(self.threads) is not int or not 0 <= self.threads <= 1024:
+            raise ParamError(f"threads={self.threads!r}: an int in [0, 1024] (0: all)")
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EltwiseParams":
+        d = {LEGACY_NAMES.get(k, k): v for k, v in d.items()}
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ParamError(f"unknown element-wise parameter(s): {sorted(unknown)}")
+        return cls(**d).validate()
+
+    def for_kernel(self, kernel: str) -> "EltwiseParams":
+        """These parameters with the knobs `kernel` does not use at their defaults, so that
+        parameter sets rendering the same C are one library."""
+        if kernel not in KERNELS:
+            raise ParamError(f"unknown element-wise kernel {kernel!r}; one of {', '.join(KERNELS)}")
+        base = EltwiseParams(isa=self.isa)
+        return dataclasses.replace(self, **{k: getattr(base, k) for k in ("unroll", "stream_stores", "threads")
+                                            if k not in KERNELS[kernel]})
+
+    def symbol(self, kernel: str) -> str:
+        """C prefix of one kernel's functions: unique per kernel and parameter set."""
+        return (f"autohc_ew_{kernel}_{self.isa}_v{self.vl}_u{self.unroll}_t{self.threads}"
+                + ("_s" if self.stream_stores else ""))
+
+
+@functools.lru_cache(maxsize=None)
+def default_eltwise(isa: str | None = None) -> EltwiseParams:
+    """Parameters that work before any tuning: the ISA's full vector width (this CPU's best
+    ISA when none is named), unroll 2, plain stores, every thread given."""
+    isa = isa or cpu.best_isa()
+    return EltwiseParams(isa=isa, vl={"avx512": 16, "avx2": 8}.get(isa, 4), unroll=2).validate()

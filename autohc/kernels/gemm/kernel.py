@@ -1,0 +1,79 @@
+"""Compiled GEMM kernels: one per validated parameter set, bound to the process's worker
+pool, and the choice of parameters for a problem (registry hit, else the default)."""
+from __future__ import annotations
+
+import functools
+import threading
+
+from ...build import Library, build
+from ...hw import cpu
+from ...runtime import pool
+from .codegen import gemm_cdef, render_gemm
+from .params import ISAS, GemmParams, default_params
+
+
+class KernelError(RuntimeError):
+    """A kernel could not run (out of memory, threads, or an ISA this CPU lacks)."""
+
+
+class GemmKernel:
+    """One compiled, verified GEMM configuration."""
+
+    def __init__(self, params: GemmParams):
+        self.params = params.validate()
+        spec = ISAS[params.isa]
+        source = render_gemm(params)
+        self.library: Library = build(source, gemm_cdef(params, source), spec.cflags,
+                                      meta={"op": "gemm", "params": params.to_dict()})
+        fn = params.symbol
+        lib = self.library.lib
+        self._gemm = getattr(lib, f"{fn}_gemm")
+        self._gemm_batched = getattr(lib, f"{fn}_gemm_batched")
+        self._ffi = self.library.ffi
+        self.runnable = bool(getattr(lib, f"{fn}_isa_supported")())
+        if self.runnable:
+            pool.bind(self.library, fn)      # threads come from the one worker pool
+
+    def run(self, M: int, N: int, K: int, alpha: float, a_ptr: int, rsa: int, csa: int,
+            b_ptr: int, rsb: int, csb: int, beta: float, c_ptr: int, ldc: int) -> None:
+        """Raw call on addresses and element strides (no checks beyond the ISA)."""
+        if not self.runnable:
+            raise KernelError(f"this CPU cannot run the {self.params.isa} back-end")
+        f = self._ffi
+        rc = self._gemm(M, N, K, alpha, f.cast("float *", a_ptr), rsa, csa,
+                        f.cast("float *", b_ptr), rsb, csb, beta, f.cast("float *", c_ptr), ldc)
+        _check(rc)
+
+    def run_batched(self, batch: int, sa: int, sb: int, sc: int, M: int, N: int, K: int,
+                    alpha: float, a_ptr: int, rsa: int, csa: int, b_ptr: int, rsb: int, csb: int,
+                    beta: float, c_ptr: int, ldc: int) -> None:
+        """`run` on `batch` matrices i at a_ptr + 4*i*sa (b, c likewise), in one C call."""
+        if not self.runnable:
+            raise KernelError(f"this CPU cannot run the {self.params.isa} back-end")
+        f = self._ffi
+        _check(self._gemm_batched(batch, sa, sb, sc, M, N, K, alpha, f.cast("float *", a_ptr), rsa, csa,
+                                  f.cast("float *", b_ptr), rsb, csb, beta, f.cast("float *", c_ptr), ldc))
+
+
+def _check(rc: int) -> None:
+    if rc:
+        raise KernelError({-1: "out of memory for packed panels",
+                           -2: "the worker pool cannot start threads",
+                           -3: "kernel not bound to the worker pool"}.get(rc, f"error {rc}"))
+
+
+_kernels: dict[GemmParams, GemmKernel] = {}
+_kernels_lock = threading.Lock()
+
+
+def get_kernel(params: GemmParams) -> GemmKernel:
+    with _kernels_lock:
+        k = _kernels.get(params)
+        if k is None:
+            k = _kernels[params] = GemmKernel(params)
+        return k
+
+
+@functools.lru_cache(maxsize=None)
+def default_kernel_params(threads: int, isa: str | None = None) -> GemmParams:
+    return default_params(isa or cpu.best_isa(), threads)

@@ -1,0 +1,203 @@
+"""`autohc.matmul`: fp32 GEMM on generated kernels, for torch tensors and numpy arrays.
+
+    C := alpha * A @ B + beta * C
+
+A and B may be any strided 2-D float32 views (transposes are read in place as layouts: NN,
+NT = X @ W.T, TN = dY.T @ X), C needs one unit stride (a column-major C is computed as
+C.T = B.T @ A.T). torch CPU tensors and numpy arrays are both taken.
+"""
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from ...hw import cpu
+from ...tune import registry
+from .kernel import default_kernel_params, get_kernel
+from .params import MAX_THREADS, GemmParams
+
+try:  # torch is a dependency, but keep numpy-only use possible
+    import torch
+except ImportError:  # pragma: no cover
+    torch = None
+
+
+def tuned_params(m: int, k: int, n: int, sa, sb, threads: int) -> GemmParams:
+    """The registry's configuration for this problem on this CPU, else the default one."""
+    layout = registry.layout_of(sa[0], sa[1], sb[0], sb[1])
+    if layout is not None:              # (no registry file: lookup answers None)
+        M, K, N = registry.linear_dims(layout, m, k, n)
+        hit = registry.lookup("gemm", layout, K, N, M, threads)
+        if hit is not None:
+            return hit[0]
+    return default_kernel_params(threads)
+
+
+# ----------------------------------------------------------------------------- operands
+
+class _Operand:
+    """A 2-D float32 operand seen as (address, shape, element strides)."""
+    __slots__ = ("obj", "ptr", "shape", "strides", "nbytes_span")
+
+    def __init__(self, obj, ptr, shape, strides):
+        self.obj, self.ptr, self.shape, self.strides = obj, ptr, shape, strides
+        lo = sum(min(0, (n - 1) * s) for n, s in zip(shape, strides)) if all(shape) else 0
+        hi = sum(max(0, (n - 1) * s) for n, s in zip(shape, strides)) if all(shape) else -1
+        self.nbytes_span = (ptr + 4 * lo, ptr + 4 * hi + 4)
+
+    def overlaps(self, other: "_Operand") -> bool:
+        (a0, a1), (b0, b1) = self.nbytes_span, other.nbytes_span
+        return a0 < b1 and b0 < a1
+
+
+def _kind(x) -> str:
+    if torch is not None and isinstance(x, torch.Tensor):
+        return "torch"
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    raise TypeError(f"autohc.matmul takes torch.Tensor or numpy.ndarray, not {type(x).__name__}")
+
+
+def _operand(x, name: str, kind: str) -> _Operand:
+    if _kind(x) != kind:
+        raise TypeError(f"autohc.matmul: {name} is a {_kind(x)} array but the others are {kind}; "
+                        "do not mix torch and numpy")
+    if x.ndim != 2:
+        raise ValueError(f"autohc.matmul: {name} must be 2-D, got {x.ndim}-D shape {tuple(x.shape)}")
+    if kind == "torch":
+        if x.device.type != "cpu":
+            raise TypeError(f"autohc.matmul: {name} is on {x.device}; only CPU tensors")
+        if x.layout != torch.strided:
+            raise TypeError(f"autohc.matmul: {name} has layout {x.layout}; only dense (strided)")
+        if x.dtype != torch.float32:
+            raise TypeError(f"autohc.matmul: {name} is {x.dtype}; only torch.float32")
+        if x.requires_grad and torch.is_grad_enabled():
+            raise TypeError(f"autohc.matmul: {name} requires grad and autohc.matmul does not "
+                            "record autograd; call it under torch.no_grad() or use torch.matmul "
+                            "with autohc.install()")
+        return operand_raw(x, kind)
+    if x.dtype != np.float32:
+        raise TypeError(f"autohc.matmul: {name} is {x.dtype}; only float32")
+    if not x.flags.aligned or any(s % 4 for s in x.strides):
+        raise ValueError(f"autohc.matmul: {name} is not aligned to 4-byte floats; "
+                         "pass np.ascontiguousarray(...) of it")
+    return operand_raw(x, kind)
+
+
+def _scalar(v, name: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"autohc.matmul: {name} must be a real number, got {v!r}")
+    return float(v)
+
+
+def _copy(x, kind: str):
+    return x.clone() if kind == "torch" else x.copy()
+
+
+def matmul(a, b, *, out=None, alpha=1.0, beta=0.0, threads=None, params: GemmParams | None = None):
+    """C = alpha * a @ b + beta * out, for 2-D float32 CPU torch tensors or numpy arrays.
+
+    - a: (M, K), b: (K, N), any strides (a transposed view is a layout, not a copy).
+    - out: optional (M, N) float32 result, written in place and returned; needed if beta != 0.
+    - threads: GEMM threads (default: every CPU this process may use).
+    - params: run this kernel configuration instead of the default one for `threads`.
+    Raises TypeError / ValueError for what it does not handle, before writing anything.
+    """
+    kind = _kind(a)
+    A, B = _operand(a, "a", kind), _operand(b, "b", kind)
+    alpha, beta = _scalar(alpha, "alpha"), _scalar(beta, "beta")
+    M, K = A.shape
+    K2, N = B.shape
+    if K != K2:
+        raise ValueError(f"autohc.matmul: shapes {A.shape} and {B.shape} do not multiply "
+                         f"(a has {K} columns, b has {K2} rows)")
+    if params is not None:
+        if not isinstance(params, GemmParams):
+            raise TypeError(f"autohc.matmul: params must be a GemmParams, not {type(params).__name__}")
+        params.validate()
+        if threads is not None and threads != params.threads:
+            raise ValueError(f"autohc.matmul: threads={threads} but params run {params.threads}")
+    else:
+        if threads is None:
+            threads = cpu.detect().cores
+        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS:
+            raise ValueError(f"autohc.matmul: threads must be an int in [1, {MAX_THREADS}], "
+                             f"got {threads!r}")
+
+    if out is None:
+        if beta != 0.0:
+            raise ValueError("autohc.matmul: beta != 0 needs out= (the C to accumulate into)")
+        out = torch.empty((M, N), dtype=torch.float32) if kind == "torch" else np.empty((M, N), np.float32)
+    C = _operand(out, "out", kind)
+    if C.shape != (M, N):
+        raise ValueError(f"autohc.matmul: out has shape {C.shape}, expected {(M, N)}")
+    if M == 0 or N == 0:
+        return out
+    if (M > 1 and C.strides[0] == 0) or (N > 1 and C.strides[1] == 0):
+        raise ValueError("autohc.matmul: out has a zero stride (an expanded view); "
+                         "several results would land on one element")
+    return _run(kind, a, b, out, A, B, C, alpha, beta, threads, params)
+
+
+def gemm_into(a, b, out, alpha: float, beta: float, threads: int):
+    """out := alpha * a @ b + beta * out for float32 CPU tensors already checked by the caller
+    (the torch override); the registry's configuration or the default one."""
+    return _run("torch", a, b, out, operand_raw(a), operand_raw(b), operand_raw(out),
+                alpha, beta, threads, None)
+
+
+def bmm_into(a, b, out, alpha: float, beta: float, threads: int):
+    """out[i] := alpha * a[i] @ b[i] + beta * out[i] for 3-D float32 CPU tensors checked by the
+    caller (the torch override), out row-major per matrix and not overlapping a or b: one
+    configuration (from matrix 0's problem) and one C call for the whole batch."""
+    A, B = operand_raw(a[0]), operand_raw(b[0])
+    M, K = A.shape
+    N = B.shape[1]
+    params = tuned_params(M, K, N, A.strides, B.strides, threads)
+    get_kernel(params).run_batched(a.shape[0], a.stride(0), b.stride(0), out.stride(0), M, N, K,
+                                   alpha, A.ptr, A.strides[0], A.strides[1], B.ptr, B.strides[0],
+                                   B.strides[1], beta, out.data_ptr(), out.stride(1))
+    return out
+
+
+def operand_raw(t, kind: str = "torch") -> _Operand:
+    """An operand the caller already validated (no dtype / autograd checks)."""
+    if kind == "torch":
+        return _Operand(t, t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+    return _Operand(t, t.ctypes.data, tuple(t.shape), tuple(s // 4 for s in t.strides))
+
+
+def _run(kind, a, b, out, A, B, C, alpha, beta, threads, params):
+    M, K = A.shape
+    N = B.shape[1]
+    # inputs that alias the output are read from a copy, so the result is still a @ b
+    if A.overlaps(C):
+        A = operand_raw(_copy(a, kind), kind)
+    if B.overlaps(C):
+        B = operand_raw(_copy(b, kind), kind)
+
+    if params is None:
+        params = tuned_params(M, K, N, A.strides, B.strides, threads)
+    kernel = get_kernel(params)
+    if C.strides[1] == 1 or N == 1:
+        kernel.run(M, N, K, alpha, A.ptr, A.strides[0], A.strides[1], B.ptr, B.strides[0],
+                   B.strides[1], beta, C.ptr, C.strides[0] if M > 1 else max(N, 1))
+    elif C.strides[0] == 1 or M == 1:
+        # column-major C: C^T (N x M, row-major) = B^T A^T, swapping the operands' strides
+        kernel.run(N, M, K, alpha, B.ptr, B.strides[1], B.strides[0], A.ptr, A.strides[1],
+                   A.strides[0], beta, C.ptr, C.strides[1])
+    else:
+        # no unit stride at all: compute into a contiguous buffer and scatter
+        tmp = _copy(out, kind) if beta != 0.0 else None
+        if tmp is None:
+            tmp = torch.empty((M, N), dtype=torch.float32) if kind == "torch" else np.empty((M, N), np.float32)
+        elif kind == "torch":
+            tmp = tmp.contiguous()
+        else:
+            tmp = np.ascontiguousarray(tmp)
+        T = operand_raw(tmp, kind)
+        kernel.run(M, N, K, alpha, A.ptr, A.strides[0], A.strides[1], B.ptr, B.strides[0],
+                   B.strides[1], beta, T.ptr, N)
+        out[...] = tmp
+    return out

@@ -1,0 +1,129 @@
+"""Typed, validated GEMM template parameters and the default configuration per back-end.
+
+Nothing reaches a template unless it went through `GemmParams.validate()`: every field is an
+int or an enum member inside its allowed range, and the register tile fits the ISA's vector
+registers. Free text never reaches generated C.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+
+
+from ..family import ParamError
+from ..isa import ISAS
+
+# (low, high) inclusive for int fields; the allowed set for enum-like ones.
+RANGES: dict[str, tuple[int, int]] = {
+    "mr": (1, 32), "nr": (4, 128), "kc": (4, 4096), "mc": (1, 16384), "nc": (4, 65536),
+    "jc_ways": (1, 256), "ic_ways": (1, 256), "jr_ways": (1, 256),
+    "prefetch_a": (0, 32), "prefetch_b": (0, 32), "skinny_m": (0, 64),
+}
+CHOICES: dict[str, tuple] = {
+    "isa": tuple(ISAS), "k_unroll": (1, 2, 4, 8), "depth": (1, 2, 3),
+    "prefetch_c": (False, True),
+}
+# names of earlier releases, still read from registries written by them
+LEGACY_NAMES = {"clusters": "jc_ways", "tm": "ic_ways", "tn": "jr_ways"}
+RETIRED = {"pin", "spin_us"}       # now the worker pool's (runtime/pool.py), not a kernel's
+MAX_THREADS = 256
+MAX_BUFFER_FLOATS = 1 << 26        # 256 MiB per packed buffer
+
+
+@dataclass(frozen=True)
+class GemmParams:
+    isa: str = "avx2"
+    vl: int = 8                     # fp32 lanes per vector (fixed by isa except portable)
+    mr: int = 6                     # register tile rows
+    nr: int = 16                    # register tile columns (multiple of vl)
+    kc: int = 256                   # K per packed panel (B micro-panel stays in L1)
+    mc: int = 144                   # M per packed A block (A block stays in L2)
+    nc: int = 4096                  # N per packed B panel (stays in L2/L3)
+    k_unroll: int = 4
+    jc_ways: int = 1                # threads splitting N (BLIS's JC loop; the CFTP split)
+    ic_ways: int = 1                # threads of a JC way splitting M (IC loop)
+    jr_ways: int = 1                # threads of an IC way splitting B micro-panels (JR loop)
+    depth: int = 2                  # B panel buffers: 1 single, 2 double, 3 triple buffering
+    prefetch_a: int = 0             # software prefetch distance for A in k steps (0: off)
+    prefetch_b: int = 0
+    prefetch_c: bool = True         # touch the C tile before the k loop
+    skinny_m: int = 16              # M up to this, NT layout: unpacked dot-product path (0: off)
+
+    @property
+    def threads(self) -> int:
+        return self.jc_ways * self.ic_ways * self.jr_ways
+
+    def validate(self) -> "GemmParams":
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name in CHOICES:
+                if v not in CHOICES[f.name] or type(v) is not type(CHOICES[f.name][0]):
+                    raise ParamError(f"{f.name}={v!r}: must be one of {CHOICES[f.name]}")
+            elif f.name in RANGES or f.name == "vl":
+                if type(v) is not int:
+                    raise ParamError(f"{f.name}={v!r}: must be an int")
+                if f.name in RANGES:
+                    lo, hi = RANGES[f.name]
+                    if not lo <= v <= hi:
+                        raise ParamError(f"{f.name}={v}: must be in [{lo}, {hi}]")
+        spec = ISAS[self.isa]
+        if self.vl not in spec.vector_lanes:
+            raise ParamError(f"vl={self.vl}: {self.isa} vectors hold {spec.vector_lanes} floats")
+        if self.nr % self.vl:
+            raise ParamError(f"nr={self.nr} must be a multiple of the vector length {self.vl}")
+        nv = self.nr // self.vl
+        regs = self.mr * nv + nv + 1    # accumulators + B vectors + the A broadcast
+        if regs > spec.registers:
+            raise ParamError(f"mr x nr = {self.mr}x{self.nr} needs {regs} vector registers; "
+                             f"{self.isa} has {spec.registers}")
+        if self.mc % self.mr:
+            raise ParamError(f"mc={self.mc} must be a multiple of mr={self.mr}")
+        if self.nc % self.nr:
+            raise ParamError(f"nc={self.nc} must be a multiple of nr={self.nr}")
+        if self.threads > MAX_THREADS:
+            raise ParamError(f"jc_ways*ic_ways*jr_ways = {self.threads} threads; at most {MAX_THREADS}")
+        if self.kc * self.nc > MAX_BUFFER_FLOATS or self.mc * self.kc > MAX_BUFFER_FLOATS:
+            raise ParamError("packed panel larger than 256 MiB: lower kc, mc or nc")
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GemmParams":
+        names = {f.name for f in dataclasses.fields(cls)}
+        d = {LEGACY_NAMES.get(k, k): v for k, v in d.items() if k not in RETIRED}
+        unknown = set(d) - names
+        if unknown:
+            raise ParamError(f"unknown GEMM parameter(s): {sorted(unknown)}")
+        return cls(**d).validate()
+
+    @property
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+    @property
+    def symbol(self) -> str:
+        """C prefix of this kernel's functions: unique per parameter set, hex only."""
+        return "autohc_g" + self.key[:12]
+
+
+def default_params(isa: str, threads: int = 1) -> GemmParams:
+    """A configuration that works (and is fast) before any tuning.
+
+    Register tiles: 6x16 on AVX2 (BLIS Zen), 12x32 on AVX-512 (24 accumulators of 32
+    zmm), 6x8 with 4 lanes for the portable back-end (fits 16 SSE or 32 NEON registers).
+    Threads: one JC way per thread, i.e. each thread owns its N slice (CFTP).
+    """
+    if isa not in ISAS:
+        raise ParamError(f"unknown isa {isa!r}; one of {tuple(ISAS)}")
+    if type(threads) is not int or not 1 <= threads <= MAX_THREADS:
+        raise ParamError(f"threads={threads!r}: must be an int in [1, {MAX_THREADS}]")
+    base = {
+        "avx2": dict(vl=8, mr=6, nr=16, kc=256, mc=144, nc=4096, k_unroll=4),
+        "avx512": dict(vl=16, mr=12, nr=32, kc=256, mc=144, nc=4096, k_unroll=4),
+        "portable": dict(vl=4, mr=6, nr=8, kc=256, mc=144, nc=4096, k_unroll=4),
+    }[isa]
+    return GemmParams(isa=isa, jc_ways=threads, **base).validate()

@@ -1,0 +1,4 @@
+"""autohc inside PyTorch: dispatch (install/uninstall: aten ops routed to the kernels, ATen
+for everything else and for kernels that cannot run), ops (the fused operators as custom ops
+with autograd), optim (AdamW on the fused step), threads (autohc's thread count), fallback
+(one warning per cause when a kernel cannot run)."""

@@ -1,0 +1,195 @@
+"""Drop-in override: `autohc.install()` makes unmodified torch code run its GEMMs (and the fused
+operators of autohc/torch/ops.py) on autohc.
+
+We register CPU kernels for aten::mm, aten::addmm, aten::bmm and aten::baddbmm through
+torch.library (the supported extension point; no Python attribute is patched). They sit below
+autograd, so nn.Linear, F.linear, torch.matmul / @, mm, addmm, bmm all reach them in the
+forward pass, and autograd's own derivative formulas reach them in the backward pass (dX = dY·W
+is NN, dW = dYᵀ·X is TN, both as strided views, no copies).
+
+Whatever autohc does not do (other dtypes, complex, zero-size, tiny problems where the call
+overhead does not pay) goes to ATen's own `.out` kernels, which these registrations leave
+untouched: same results, same errors. A kernel that cannot be built or started (no compiler,
+a pool that cannot start threads) also sends its call to ATen, with one warning per cause
+(autohc/torch/fallback.py). `uninstall()` removes the registrations.
+
+One admissibility predicate per argument kind (`_ok` for tensors, `_serve` for a GEMM's
+operands) decides what autohc takes; everything else is ATen's.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+
+import torch
+
+from ..kernels.gemm.matmul import bmm_into, gemm_into
+from ..runtime.memory import fresh_empty
+from . import fallback
+from .ops import ATEN_IMPLS
+from .threads import kernel_threads, set_kernel_threads
+
+# Below this many multiply-adds per GEMM, ATen's lower call overhead wins.
+MIN_MACS = 32 * 32 * 32
+# bmm runs as one batched C call (one pool wake per matrix): routed for matrices of this size up.
+MIN_BMM_MACS = 128 * 128 * 128
+
+_lock = threading.Lock()
+_state = {"lib": None, "threads": None, "torch_threads_before": None}
+stats = {"autohc": 0, "aten": 0}       # calls served by each, for tests and curiosity
+
+
+def _ok(*ts: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.layout == torch.strided and t.device.type == "cpu"
+               and not t.is_quantized and not t.is_neg() for t in ts)
+
+
+def _serve(a: torch.Tensor, b: torch.Tensor, min_macs: int = MIN_MACS) -> bool:
+    if a.dim() != 2 or b.dim() != 2 or not _ok(a, b):
+        return False
+    m, k = a.shape
+    n = b.shape[1]
+    return b.shape[0] == k and m * n > 0 and m * n * k >= min_macs
+
+
+def _scaled_start(inp: torch.Tensor, shape, beta) -> torch.Tensor | None:
+    """A new float32 `shape` tensor holding inp broadcast (if beta != 0), or None if inp does
+    not broadcast to `shape` (ATen then raises its own error)."""
+    try:
+        src = inp.expand(shape)
+    except RuntimeError:
+        return None
+    out = fresh_empty(*shape)
+    if beta != 0:
+        out.copy_(src)
+    return out
+
+
+def _real(*scalars) -> bool:
+    return not any(isinstance(s, complex) for s in scalars)
+
+
+def _try(op: str, run):
+    """run() on autohc, or None if its kernel cannot be built or started here."""
+    try:
+        out = run()
+        stats["autohc"] += 1
+        return out
+    except fallback.FAILURES as e:
+        fallback.report(e, op)
+        return None
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if _serve(a, b):
+        out = _try("mm", lambda: gemm_into(a, b, fresh_empty(a.shape[0], b.shape[1]), 1.0, 0.0,
+                                           kernel_threads()))
+        if out is not None:
+            return out
+    stats["aten"] += 1
+    return torch.ops.aten.mm.out(a, b, out=a.new_empty(0))
+
+
+def _addmm(inp: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
+    if _serve(m1, m2) and _ok(inp) and _real(beta, alpha):
+        start = _scaled_start(inp, (m1.shape[0], m2.shape[1]), beta)
+        if start is not None:
+            out = _try("addmm", lambda: gemm_into(m1, m2, start, float(alpha), float(beta),
+                                                  kernel_threads()))
+            if out is not None:
+                return out
+    stats["aten"] += 1
+    return torch.ops.aten.addmm.out(inp, m1, m2, beta=beta, alpha=alpha, out=m1.new_empty(0))
+
+
+def _batched(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0] and a.shape[0] > 0 \
+        and _serve(a[0], b[0], MIN_BMM_MACS)
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if _batched(a, b):
+        out = _try("bmm", lambda: bmm_into(a, b, fresh_empty(a.shape[0], a.shape[1], b.shape[2]),
+                                           1.0, 0.0, kernel_threads()))
+        if out is not None:
+            return out
+    stats["aten"] += 1
+    return torch.ops.aten.bmm.out(a, b, out=a.new_empty(0))
+
+
+def _baddbmm(inp, b1, b2, *, beta=1, alpha=1):
+    if _batched(b1, b2) and _ok(inp) and _real(beta, alpha):
+        start = _scaled_start(inp, (b1.shape[0], b1.shape[1], b2.shape[2]), beta)
+        if start is not None:
+            out = _try("baddbmm", lambda: bmm_into(b1, b2, start, float(alpha), float(beta),
+                                                   kernel_threads()))
+            if out is not None:
+                return out
+    stats["aten"] += 1
+    return torch.ops.aten.baddbmm.out(inp, b1, b2, beta=beta, alpha=alpha, out=b1.new_empty(0))
+
+
+def _positive(name: str, v) -> None:
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise ValueError(f"autohc.install: {name} must be a positive int, got {v!r}")
+
+
+def install(threads: int | None = None, torch_threads: int | None = 1) -> None:
+    """Route torch's CPU float32 GEMMs and the fused operators to autohc kernels (tuned ones
+    from the registry).
+
+    threads: threads of autohc's kernels (default: torch.get_num_threads() at the first install).
+    torch_threads: torch's own intra-op threads while installed (default 1; None leaves them).
+        torch's OpenMP workers spin for milliseconds after each op and take the cores from
+        autohc's kernels: measured on a DiT-S/2 step, autohc with torch's pool at 2 threads was
+        no faster than stock torch; with it at 1, 1.6x. uninstall() restores the setting."""
+    _positive("threads", threads)
+    _positive("torch_threads", torch_threads)
+    with _lock:
+        if _state["lib"] is None:
+            _state["torch_threads_before"] = torch.get_num_threads()
+        _state["threads"] = threads or _state["threads"] or _state["torch_threads_before"]
+        set_kernel_threads(_state["threads"])
+        if torch_threads is not None:
+            torch.set_num_threads(torch_threads)
+        if _state["lib"] is not None:
+            return
+        lib = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():
+            # torch warns once that a kernel is being overridden: that is the point here
+            warnings.simplefilter("ignore")
+            lib.impl("mm", _mm, "CPU")
+            lib.impl("addmm", _addmm, "CPU")
+            lib.impl("bmm", _bmm, "CPU")
+            lib.impl("baddbmm", _baddbmm, "CPU")
+            for name, fn in ATEN_IMPLS.items():     # the fused operators, forward and backward
+                lib.impl(name, fn, "CPU")
+        _state["lib"] = lib
+
+
+def uninstall() -> None:
+    """Give the GEMMs and operators back to ATen and torch its thread count."""
+    with _lock:
+        lib, _state["lib"] = _state["lib"], None
+        _state["threads"] = None
+        set_kernel_threads(None)
+        if lib is not None:
+            lib._destroy()
+            torch.set_num_threads(_state["torch_threads_before"])
+
+
+def is_installed() -> bool:
+    return _state["lib"] is not None
+
+
+@contextlib.contextmanager
+def installed(threads: int | None = None, torch_threads: int | None = 1):
+    """`with autohc.installed(): ...` — installed inside the block, as before after it."""
+    was = is_installed()
+    install(threads, torch_threads)
+    try:
+        yield
+    finally:
+        if not was:
+            uninstall()

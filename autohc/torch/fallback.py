@@ -1,0 +1,39 @@
+"""Under install(), a kernel that cannot be built or started must not take the user's job
+down: that call goes to ATen (same result), with one warning per cause, and the process keeps
+running. `autohc.matmul` and the autohc ops called directly still raise (they are asked for
+by name)."""
+from __future__ import annotations
+
+import threading
+import warnings
+
+from ..build import BuildError
+from ..kernels.gemm.kernel import KernelError
+
+# what a kernel can fail with before computing anything: no compiler, a compile error, a
+# library that cannot load, a pool that cannot start threads
+FAILURES = (BuildError, KernelError, OSError, ImportError)
+_seen: set[str] = set()
+_lock = threading.Lock()
+stats = {"fallbacks": 0}
+
+
+def report(error: BaseException, what: str) -> None:
+    """Count one fallback; warn the first time this cause is seen in the process."""
+    cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    with _lock:
+        stats["fallbacks"] += 1
+        if cause in _seen:
+            return
+        _seen.add(cause)
+    warnings.warn(f"autohc: {what} runs on ATen instead of autohc's kernels ({cause}); "
+                  "results are the same, only slower", RuntimeWarning, stacklevel=3)
+
+
+def kernel_or(aten, kernel, what: str):
+    """kernel(), or aten() if the kernel cannot run here (reported once per cause)."""
+    try:
+        return kernel()
+    except FAILURES as e:
+        report(e, what)
+        return aten()

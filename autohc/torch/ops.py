@@ -1,0 +1,490 @@
+"""AI operators from templates/ops: GELU(tanh), SiLU, LayerNorm + adaLN modulate, softmax,
+gated residual (forward + backward).
+
+    autohc.ops.gelu_tanh(x), autohc.ops.silu(x)      torch custom ops with autograd
+    autohc.ops.layernorm_modulate(x, scale, shift)   DiT's modulate(norm(x), shift, scale)
+    autohc.ops.softmax(x), autohc.ops.gated_residual(x, y, gate)
+    autohc.install()                                 also routes F.gelu(approximate="tanh"),
+                                                     F.silu, F.layer_norm and last-dim softmax
+                                                     on float32 CPU tensors (ATEN_IMPLS)
+
+float32 CPU tensors run the generated kernels as teams of the native worker pool, over
+autohc.torch.threads.kernel_threads() threads (install()'s count while installed, else
+torch.get_num_threads()); cffi releases the GIL. Everything else runs torch's own
+implementation.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from typing import Callable, NamedTuple
+
+import torch
+
+from ..hw import cpu
+from ..kernels.eltwise import KERNELS, EltwiseParams, default_eltwise
+from ..kernels.eltwise.codegen import library
+from ..kernels.gemm.params import ParamError
+from ..runtime.memory import fresh_like as _fresh_like
+from ..tune import registry
+from . import fallback
+from .threads import kernel_threads
+
+_forced: dict[str, EltwiseParams] = {}     # kernel -> params, set by the tuner for one trial
+
+
+@contextlib.contextmanager
+def forced_params(kernel: str, params: EltwiseParams):
+    """Run `kernel` with these parameters inside the block (the tuner's trials)."""
+    _forced[kernel] = params.validate()
+    try:
+        yield
+    finally:
+        _forced.pop(kernel, None)
+
+
+def params_for(kernel: str) -> EltwiseParams:
+    """The parameters `kernel` runs with: the tuner's trial, else the registry's tuned ones for
+    this CPU and thread count (`autohc tune --op`), else the default."""
+    if kernel in _forced:
+        return _forced[kernel]
+    entry = registry.lookup_op("eltwise", kernel, kernel_threads())
+    if entry is not None:
+        try:
+            p = EltwiseParams.from_dict(entry["params"])
+            if p.isa in cpu.runnable_isas():
+                return p
+        except (ParamError, TypeError):
+            pass            # an invalid entry is ignored, as for GEMMs
+    return default_eltwise(cpu.best_isa())
+
+
+def kernel_fn(kernel: str, params: EltwiseParams | None = None):
+    """(ffi, the kernel's exported team function <prefix>_<kernel>_par, params)."""
+    p = params or params_for(kernel)
+    lib = library(kernel, p)
+    return lib.ffi, getattr(lib.lib, f"{p.for_kernel(kernel).symbol(kernel)}_{kernel}_par"), p
+
+
+def split_threads(kernel: str, elems: int, params: EltwiseParams | None = None) -> int:
+    """Threads a call of `kernel` over `elems` elements uses (the kernel's own rule)."""
+    p = params or params_for(kernel)
+    lib = library(kernel, p)
+    return getattr(lib.lib, f"{p.for_kernel(kernel).symbol(kernel)}_split")(elems, kernel_threads())
+
+
+def _ptr(ffi, t):
+    return ffi.cast("float *", t.data_ptr()) if t is not None else ffi.NULL
+
+
+def _run(name: str, *tensors: torch.Tensor, params: EltwiseParams | None = None) -> torch.Tensor:
+    """out = f(*tensors) on contiguous float32 CPU tensors of one shape (element-wise kernels)."""
+    ffi, fn, _ = kernel_fn(name, params)
+    ins = [t.contiguous() for t in tensors]
+    out = _fresh_like(ins[-1])
+    fn(*[_ptr(ffi, t) for t in ins], _ptr(ffi, out), out.numel(), kernel_threads())
+    return out
+
+
+def _kernel_or(kernel, aten, what: str, served: bool = True):
+    """kernel() where autohc serves the call, else (or if its kernel cannot run here: one
+    warning per cause, autohc/torch/fallback.py) aten()."""
+    if served:
+        try:
+            return kernel()
+        except fallback.FAILURES as e:
+            fallback.report(e, what)
+    return aten()
+
+
+def _fast(*ts: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.layout == torch.strided
+               for t in ts) and len({t.shape for t in ts}) == 1
+
+
+# ----------------------------------------------------------------- torch custom ops
+
+@torch.library.custom_op("autohc::gelu_tanh", mutates_args=())
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation (as F.gelu(x, approximate="tanh"))."""
+    return _kernel_or(
+        lambda: _run("gelu_tanh_fwd", x),
+        lambda: torch.nn.functional.gelu(x, approximate="tanh"),
+        "gelu_tanh", served=_fast(x))
+
+
+@torch.library.custom_op("autohc::gelu_tanh_backward", mutates_args=())
+def gelu_tanh_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return _kernel_or(
+        lambda: _run("gelu_tanh_bwd", grad, x),
+        lambda: torch.ops.aten.gelu_backward(grad, x, approximate="tanh"),
+        "gelu_tanh_backward", served=_fast(grad, x))
+
+
+@torch.library.custom_op("autohc::silu", mutates_args=())
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU x * sigmoid(x) (as F.silu)."""
+    return _kernel_or(
+        lambda: _run("silu_fwd", x),
+        lambda: torch.nn.functional.silu(x),
+        "silu", served=_fast(x))
+
+
+@torch.library.custom_op("autohc::silu_backward", mutates_args=())
+def silu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return _kernel_or(
+        lambda: _run("silu_bwd", grad, x),
+        lambda: torch.ops.aten.silu_backward(grad, x),
+        "silu_backward", served=_fast(grad, x))
+
+
+for _op in (gelu_tanh, silu):
+    _op.register_fake(lambda x: torch.empty_like(x, memory_format=torch.contiguous_format))
+for _op in (gelu_tanh_backward, silu_backward):
+    _op.register_fake(lambda g, x: torch.empty_like(x, memory_format=torch.contiguous_format))
+
+
+def _save_input(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+gelu_tanh.register_autograd(lambda ctx, g: gelu_tanh_backward(g, ctx.saved_tensors[0]),
+                            setup_context=_save_input)
+silu.register_autograd(lambda ctx, g: silu_backward(g, ctx.saved_tensors[0]),
+                       setup_context=_save_input)
+
+
+# ------------------------------------------- LayerNorm (no affine) + adaLN modulate, fused
+
+def _ln_reference(x, scale, shift, eps):
+    y = torch.nn.functional.layer_norm(x, (x.shape[-1],), eps=eps)
+    if scale is not None:
+        y = y * (1 + scale[:, None, :])
+    if shift is not None:
+        y = y + shift[:, None, :]
+    return y
+
+
+def _ln_mod_reference(x, scale, shift, eps):
+    """(y, mean, rstd) in torch ops: other dtypes, and the fallback."""
+    xd = x.double()
+    mean = xd.mean(-1).reshape(-1).to(x.dtype)
+    rstd = (xd.var(-1, unbiased=False) + eps).rsqrt().reshape(-1).to(x.dtype)
+    return _ln_reference(x, scale, shift, eps), mean, rstd
+
+
+@torch.library.custom_op("autohc::layernorm_modulate", mutates_args=())
+def _ln_mod(x: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | None,
+            eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, T, D = x.shape
+    if not _fast(x) or any(t is not None and not _fast(t) for t in (scale, shift)):
+        return _ln_mod_reference(x, scale, shift, eps)
+    try:
+        return _ln_fwd_kernel(x.contiguous(), scale.contiguous() if scale is not None else None,
+                              shift.contiguous() if shift is not None else None, B * T, D, T, eps, 1)
+    except fallback.FAILURES as e:
+        fallback.report(e, "layernorm_modulate")
+        return _ln_mod_reference(x, scale, shift, eps)
+
+
+def _ln_fwd_kernel(xc, sc, sh, rows: int, D: int, T: int, eps: float, plus_one: int):
+    """ln_mod_fwd over `rows` rows of D (contiguous float32); scale/shift per T rows."""
+    ffi, fn, _ = kernel_fn("ln_mod_fwd")
+    y = _fresh_like(xc)
+    mean = torch.empty(rows)
+    rstd = torch.empty(rows)
+    fn(*(_ptr(ffi, t) for t in (xc, sc, sh, y, mean, rstd)), rows, D, T, float(eps), plus_one,
+       kernel_threads())
+    return y, mean, rstd
+
+
+@_ln_mod.register_fake
+def _(x, scale, shift, eps):
+    B, T, D = x.shape
+    return torch.empty_like(x), x.new_empty(B * T), x.new_empty(B * T)
+
+
+@torch.library.custom_op("autohc::layernorm_modulate_backward", mutates_args=())
+def _ln_mod_bwd(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None,
+                mean: torch.Tensor, rstd: torch.Tensor, want_scale: bool,
+                want_shift: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, T, D = x.shape
+    if all(_fast(t) for t in (dy, x)) and (scale is None or _fast(scale)):
+        try:
+            dx, dscale, dshift = _ln_bwd_kernel(
+                dy.contiguous(), x.contiguous(), scale.contiguous() if scale is not None else None,
+                mean.contiguous(), rstd.contiguous(), B, T, D, D, 1, want_scale, want_shift)
+            return (dx, dscale if want_scale else x.new_zeros(0),
+                    dshift if want_shift else x.new_zeros(0))
+        except fallback.FAILURES as e:
+            fallback.report(e, "layernorm_modulate_backward")
+    # other dtypes (and the fallback): the kernel's formula in torch ops (no autograd here)
+    xhat = (x - mean.reshape(B, T, 1)) * rstd.reshape(B, T, 1)
+    g = dy * (1 + scale[:, None, :]) if scale is not None else dy
+    dx = rstd.reshape(B, T, 1) * (g - g.mean(-1, keepdim=True)
+                                  - xhat * (g * xhat).mean(-1, keepdim=True))
+    dsc = (dy * xhat).sum(1) if want_scale else x.new_zeros(0)
+    dsh = dy.sum(1) if want_shift else x.new_zeros(0)
+    return dx, dsc, dsh
+
+
+def _ln_bwd_kernel(dyc, xc, sc, mean, rstd, samples: int, T: int, D: int, sstride: int,
+                   plus_one: int, want_scale: bool, want_shift: bool):
+    """ln_mod_bwd over `samples` blocks of T rows (the last may be short) of D, contiguous
+    float32; the samples are split over the team. Returns dx and the per-sample dscale /
+    dshift (samples x D, or None where not wanted)."""
+    ffi, fn, _ = kernel_fn("ln_mod_bwd")
+    rows = xc.numel() // D
+    dx = _fresh_like(xc)
+    dscale = torch.empty(samples, D) if want_scale else None
+    dshift = torch.empty(samples, D) if want_shift else None
+    fn(*(_ptr(ffi, t) for t in (dyc, xc, sc, mean, rstd, dx, dscale, dshift)), samples, D, T,
+       rows, sstride, plus_one, kernel_threads())
+    return dx, dscale, dshift
+
+
+@_ln_mod_bwd.register_fake
+def _(dy, x, scale, mean, rstd, want_scale, want_shift):
+    B, T, D = x.shape
+    return (torch.empty_like(x), x.new_empty((B, D) if want_scale else (0,)),
+            x.new_empty((B, D) if want_shift else (0,)))
+
+
+def _ln_setup(ctx, inputs, output):
+    x, scale, shift, eps = inputs
+    ctx.save_for_backward(x, scale, output[1], output[2])
+    ctx.has_scale, ctx.has_shift = scale is not None, shift is not None
+
+
+def _ln_backward(ctx, gy, gmean, grstd):
+    x, scale, mean, rstd = ctx.saved_tensors
+    dx, dsc, dsh = _ln_mod_bwd(gy, x, scale, mean, rstd, ctx.has_scale, ctx.has_shift)
+    return dx, (dsc if ctx.has_scale else None), (dsh if ctx.has_shift else None), None
+
+
+_ln_mod.register_autograd(_ln_backward, setup_context=_ln_setup)
+
+
+def layernorm_modulate(x: torch.Tensor, scale: torch.Tensor | None = None,
+                       shift: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """DiT's `modulate(norm(x), shift, scale)` in one pass: LayerNorm over the last dim without
+    affine (eps 1e-6 as DiT), then x̂ (1 + scale) + shift with scale, shift per sample
+    (B x D), broadcast over the T tokens. x: (B, T, D)."""
+    if x.dim() != 3:
+        raise ValueError(f"layernorm_modulate: x must be (B, T, D), got shape {tuple(x.shape)}")
+    B, T, D = x.shape
+    for name, t in (("scale", scale), ("shift", shift)):
+        if t is not None and tuple(t.shape) != (B, D):
+            raise ValueError(f"layernorm_modulate: {name} must be (B, D) = {(B, D)}, got {tuple(t.shape)}")
+    return _ln_mod(x, scale, shift, float(eps))[0]
+
+
+# ------------------------------------------------------------ softmax, gated residual
+
+def _rows_call(name: str, *tensors, extra=(), out_like=None):
+    """Run a row kernel `name(*ptrs, out, rows, *extra)` over all rows, split over the team."""
+    ffi, fn, _ = kernel_fn(name)
+    ins = [t.contiguous() for t in tensors]
+    out = _fresh_like(out_like if out_like is not None else ins[0])
+    rows = out.numel() // out.shape[-1] if out.dim() else 1
+    fn(*[_ptr(ffi, t) for t in ins], _ptr(ffi, out), rows, *extra, kernel_threads())
+    return out
+
+
+@torch.library.custom_op("autohc::softmax", mutates_args=())
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dimension (as torch.softmax(x, -1))."""
+    return _kernel_or(
+        lambda: _rows_call("softmax_fwd", x, extra=(x.shape[-1],)),
+        lambda: torch.softmax(x, -1),
+        "softmax", served=_fast(x) and x.dim() > 0 and x.numel() > 0)
+
+
+@torch.library.custom_op("autohc::softmax_backward", mutates_args=())
+def softmax_backward(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return _kernel_or(
+        lambda: _rows_call("softmax_bwd", grad, y, extra=(y.shape[-1],)),
+        lambda: y * (grad - (grad * y).sum(-1, keepdim=True)),
+        "softmax_backward", served=_fast(grad, y) and y.dim() > 0 and y.numel() > 0)
+
+
+softmax.register_fake(lambda x: torch.empty_like(x, memory_format=torch.contiguous_format))
+softmax_backward.register_fake(lambda g, y: torch.empty_like(y, memory_format=torch.contiguous_format))
+softmax.register_autograd(lambda ctx, g: softmax_backward(g, ctx.saved_tensors[0]),
+                          setup_context=lambda ctx, inputs, output: ctx.save_for_backward(output))
+
+
+@torch.library.custom_op("autohc::gated_residual", mutates_args=())
+def _gated(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    B, T, D = x.shape
+    return _kernel_or(
+        lambda: _rows_call("gated_residual", x, y, gate, extra=(D, T), out_like=x),
+        lambda: x + gate[:, None, :] * y,
+        "gated", served=_fast(x, y) and _fast(gate) and x.numel() > 0)
+
+
+_gated.register_fake(lambda x, y, gate: torch.empty_like(x, memory_format=torch.contiguous_format))
+
+
+def _gated_setup(ctx, inputs, output):
+    x, y, gate = inputs
+    ctx.save_for_backward(y, gate)
+
+
+def _gated_backward(ctx, g):
+    y, gate = ctx.saved_tensors
+    return g, g * gate[:, None, :], (g * y).sum(1)
+
+
+_gated.register_autograd(_gated_backward, setup_context=_gated_setup)
+
+
+def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """DiT's `x + gate.unsqueeze(1) * y` in one pass; x, y: (B, T, D), gate: (B, D)."""
+    if x.dim() != 3 or y.shape != x.shape or tuple(gate.shape) != (x.shape[0], x.shape[2]):
+        raise ValueError(f"gated_residual: x, y must be (B, T, D) and gate (B, D); got "
+                         f"{tuple(x.shape)}, {tuple(y.shape)}, {tuple(gate.shape)}")
+    return _gated(x, y, gate)
+
+
+class FusedOps(NamedTuple):
+    """The fused operators a DiT's blocks take (dit.DiT.use_fused_ops)."""
+    layernorm_modulate: Callable
+    gated_residual: Callable
+
+
+FUSED = FusedOps(layernorm_modulate, gated_residual)
+
+
+# ------------------------------------------------- aten CPU kernels for autohc.install()
+
+def _dense(*ts: torch.Tensor) -> bool:
+    """Served by autohc only where the result's layout is the same as ATen's (contiguous)."""
+    return _fast(*ts) and all(t.is_contiguous() for t in ts) and ts[0].numel() > 0
+
+
+def aten_gelu(x, *, approximate="none"):
+    return _kernel_or(
+        lambda: _run("gelu_tanh_fwd", x),
+        lambda: torch.ops.aten.gelu.out(x, approximate=approximate, out=x.new_empty(0)),
+        "gelu", served=approximate == "tanh" and _dense(x))
+
+
+def aten_gelu_backward(grad, x, *, approximate="none"):
+    return _kernel_or(
+        lambda: _run("gelu_tanh_bwd", grad, x),
+        lambda: torch.ops.aten.gelu_backward.grad_input(grad, x, approximate=approximate,
+                                                        grad_input=x.new_empty(0)),
+        "gelu_backward", served=approximate == "tanh" and _dense(grad, x))
+
+
+def aten_silu(x):
+    return _kernel_or(
+        lambda: _run("silu_fwd", x),
+        lambda: torch.ops.aten.silu.out(x, out=x.new_empty(0)),
+        "silu", served=_dense(x))
+
+
+def aten_silu_backward(grad, x):
+    return _kernel_or(
+        lambda: _run("silu_bwd", grad, x),
+        lambda: torch.ops.aten.silu_backward.grad_input(grad, x, grad_input=x.new_empty(0)),
+        "silu_backward", served=_dense(grad, x))
+
+
+def aten_softmax(x, dim, half_to_float):
+    return _kernel_or(
+        lambda: _rows_call("softmax_fwd", x, extra=(x.shape[-1],)),
+        lambda: torch.ops.aten._softmax.out(x, dim, half_to_float, out=x.new_empty(0)),
+        "softmax", served=not half_to_float and x.dim() > 0 and dim in (-1, x.dim() - 1) and _dense(x))
+
+
+def aten_softmax_backward(grad, out, dim, input_dtype):
+    return _kernel_or(
+        lambda: _rows_call("softmax_bwd", grad, out, extra=(out.shape[-1],)),
+        lambda: torch.ops.aten._softmax_backward_data.out(grad, out, dim, input_dtype,
+                                                          grad_input=grad.new_empty(0)),
+        "softmax_backward", served=input_dtype == torch.float32 and out.dim() > 0
+        and dim in (-1, out.dim() - 1) and _dense(grad, out))
+
+
+def _ln_served(x, normalized_shape, *affine) -> bool:
+    """float32, non-empty, shapes as LayerNorm wants (a non-contiguous x is copied: ATen's
+    LayerNorm makes it contiguous too, and its results are contiguous either way)."""
+    nd = len(normalized_shape)
+    shape = tuple(normalized_shape)
+    return (nd >= 1 and x.dim() >= nd and _fast(x) and x.numel() > 0
+            and tuple(x.shape[x.dim() - nd:]) == shape
+            and all(t is None or (_fast(t) and tuple(t.shape) == shape) for t in affine))
+
+
+def _ln_as_group_norm(x, normalized_shape):
+    """(x as rows x D x 1, rows, D): LayerNorm over D is GroupNorm with one group over D
+    channels, which ATen still computes itself while LayerNorm is autohc's (its .out form
+    calls back into the overridden kernel)."""
+    D = math.prod(normalized_shape)
+    rows = x.numel() // D if D else 0
+    return x.reshape(rows, D, 1), rows, D
+
+
+def aten_native_layer_norm(x, normalized_shape, weight, bias, eps):
+    """torch's LayerNorm (any normalized_shape over contiguous trailing dims, with or without
+    weight and bias): the ln_mod_fwd kernel with the weight as its scale (plus_one 0)."""
+    nd = len(normalized_shape)
+    stat = tuple(x.shape[:x.dim() - nd]) + (1,) * nd
+    if _ln_served(x, normalized_shape, weight, bias):
+        D = math.prod(normalized_shape)
+        rows = x.numel() // D
+        w = weight.contiguous() if weight is not None else None     # the kernel reads D in a row
+        b = bias.contiguous() if bias is not None else None
+        try:
+            y, mean, rstd = _ln_fwd_kernel(x.contiguous(), w, b, rows, D, rows, eps, 0)
+            return y.view(x.shape), mean.view(stat), rstd.view(stat)
+        except fallback.FAILURES as e:
+            fallback.report(e, "native_layer_norm")
+    x3, rows, D = _ln_as_group_norm(x, normalized_shape)
+    w = weight.reshape(D) if weight is not None else None
+    b = bias.reshape(D) if bias is not None else None
+    y, mean, rstd = torch.ops.aten.native_group_norm(x3, w, b, rows, D, 1, 1, eps)
+    return y.view(x.shape), mean.view(stat), rstd.view(stat)
+
+
+def aten_native_layer_norm_backward(grad, x, normalized_shape, mean, rstd, weight, bias, mask):
+    """Its backward: each thread takes a block of rows (a "sample" of ln_mod_bwd with a shared
+    weight) and writes partial dweight / dbias, added up here."""
+    if _ln_served(x, normalized_shape, weight) and _fast(grad, x) \
+            and all(t.dtype == torch.float32 and t.is_contiguous() for t in (mean, rstd)):
+        D = math.prod(normalized_shape)
+        rows = x.numel() // D
+        try:
+            threads = split_threads("ln_mod_bwd", x.numel())
+            T = -(-rows // threads)             # a block of rows per thread, one shared weight
+            dx, dw, db = _ln_bwd_kernel(
+                grad.contiguous(), x.contiguous(), weight.contiguous() if weight is not None else None,
+                mean, rstd, -(-rows // T), T, D, 0, 0, mask[1], mask[2])
+            shape = tuple(normalized_shape)
+            return (dx.view(x.shape) if mask[0] else None,
+                    dw.sum(0).view(shape) if dw is not None else None,
+                    db.sum(0).view(shape) if db is not None else None)
+        except fallback.FAILURES as e:
+            fallback.report(e, "native_layer_norm_backward")
+    x3, rows, D = _ln_as_group_norm(x, normalized_shape)
+    w = weight.reshape(D) if weight is not None else None
+    dx, dw, db = torch.ops.aten.native_group_norm_backward(
+        grad.reshape(rows, D, 1), x3, mean.reshape(rows, 1), rstd.reshape(rows, 1), w, rows, D, 1,
+        1, [mask[0], mask[1] and weight is not None, mask[2] and bias is not None])
+    shape = tuple(normalized_shape)
+    return (dx.view(x.shape) if dx is not None else None,
+            dw.view(shape) if dw is not None else None, db.view(shape) if db is not None else None)
+
+
+ATEN_IMPLS = {"gelu": aten_gelu, "gelu_backward": aten_gelu_backward,
+              "silu": aten_silu, "silu_backward": aten_silu_backward,
+              "native_layer_norm": aten_native_layer_norm,
+              "native_layer_norm_backward": aten_native_layer_norm_backward,
+              "_softmax": aten_softmax, "_softmax_backward_data": aten_softmax_backward}
+
+if os.environ.get("AUTOHC_EAGER_BUILD"):     # compile at import (e.g. before forking workers)
+    for _kernel in KERNELS:
+        library(_kernel, default_eltwise(cpu.best_isa()))

@@ -1,0 +1,83 @@
+"""`autohc.optim.AdamW`: torch.optim.AdamW with a fused, generated step kernel.
+
+One pass reads each parameter, gradient and both moments once and writes them once
+(templates/ops/eltwise.c.j2 `adamw_multi`): one call per thread takes its share of all the
+group's tensors, split over the worker pool's team of kernel_threads() threads
+(install()'s count while installed, else torch.get_num_threads()). Same
+hyper-parameters and state (`step`, `exp_avg`, `exp_avg_sq`) as torch.optim.AdamW, so
+state_dicts move between the two. Tensors the kernel does not take (not float32, not
+contiguous, not CPU) get torch's own AdamW update, unchanged.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import ops
+from .threads import kernel_threads
+
+
+class AdamW(torch.optim.Optimizer):
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, amsgrad: bool = False, maximize: bool = False):
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"Invalid beta parameters: {betas}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if amsgrad or maximize:
+            raise ValueError("autohc.optim.AdamW: amsgrad and maximize are not supported; "
+                             "use torch.optim.AdamW for them")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            slow = []
+            by_step: dict[float, list] = {}     # tensors with the same step share bias corrections
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("autohc.optim.AdamW does not support sparse gradients")
+                st = self.state[p]
+                if not st:
+                    st["step"] = torch.tensor(0.0)
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["step"] += 1
+                tensors = (p, p.grad, st["exp_avg"], st["exp_avg_sq"])
+                if all(x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous()
+                       for x in tensors) and p.numel() > 0:
+                    by_step.setdefault(float(st["step"]), []).append(tensors)
+                else:
+                    slow.append(p)
+            for t, bucket in by_step.items():   # one kernel call per thread for the lot
+                _fused_step(bucket, lr, b1, b2, eps, wd, 1 - b1 ** t, 1 - b2 ** t)
+            if slow:                    # torch's own single-tensor AdamW for the rest
+                from torch.optim.adamw import adamw as torch_adamw
+                torch_adamw([p for p in slow], [p.grad for p in slow],
+                            [self.state[p]["exp_avg"] for p in slow],
+                            [self.state[p]["exp_avg_sq"] for p in slow], [],
+                            [self.state[p]["step"] - 1 for p in slow], foreach=False,
+                            amsgrad=False, beta1=b1, beta2=b2, lr=lr, weight_decay=wd, eps=eps,
+                            maximize=False)
+        return loss
+
+
+def _fused_step(tensors, lr, b1, b2, eps, wd, bc1, bc2):
+    """One AdamW step over [(param, grad, exp_avg, exp_avg_sq), ...]: their concatenation is
+    split evenly over the team (whole cache lines each), one kernel call for the lot."""
+    ffi, fn, _ = ops.kernel_fn("adamw")
+    cols = [ffi.new("float *[]", [ffi.cast("float *", ts[i].data_ptr()) for ts in tensors])
+            for i in range(4)]
+    sizes = [ts[0].numel() for ts in tensors]
+    fn(*cols, ffi.new("int64_t[]", sizes), len(sizes), sum(sizes), lr, b1, b2, eps, wd, bc1, bc2,
+       kernel_threads())

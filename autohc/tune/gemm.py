@@ -1,0 +1,137 @@
+"""Tune one GEMM problem with Optuna on the one pipeline (tune/pipeline.py):
+params -> render -> build -> verify -> time -> registry.
+
+One study per (op, layout, M, K, N, threads, ISA, CPU fingerprint), in Optuna RDB storage
+(SQLite in the cache by default, any URL Optuna accepts), so an interrupted tune resumes and
+several nodes can share a study. The default configuration is the first trial, so tuning
+never ends worse than the default. A candidate that fails to build, crashes or computes a
+wrong result is a failed trial and can never be recorded as best.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+
+import torch
+
+from ..bench.gemm import set_blas_threads
+from ..build import BuildError, cache_dir
+from ..hw import cpu
+from ..kernels.gemm.kernel import KernelError, get_kernel
+from ..kernels.gemm.matmul import matmul
+from ..kernels.gemm.params import GemmParams, ParamError, default_params
+from ..kernels.gemm.problem import GemmProblem
+from . import pipeline, registry
+from .result import TuneResult
+from .space import starting_points, suggest_params
+from .verify import GemmVerifier, WrongResult
+
+
+class StorageError(ValueError):
+    """The --storage URL cannot be opened."""
+
+
+def default_storage_url() -> str:
+    return f"sqlite:///{cache_dir() / 'tune.db'}"
+
+
+def open_storage(url: str | None = None):
+    """Optuna RDBStorage for `url` (default: SQLite in the cache); StorageError if unusable."""
+    import optuna
+    if url is None:
+        url = default_storage_url()
+        cache_dir().mkdir(parents=True, exist_ok=True)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    try:
+        # heartbeats let a resumed (or another node's) tune fail trials of a killed process
+        return optuna.storages.RDBStorage(url, heartbeat_interval=2, grace_period=6)
+    except Exception as e:  # noqa: BLE001 - sqlalchemy raises many kinds
+        raise StorageError(f"cannot open tuning storage {url!r}: {str(e).splitlines()[0]}") from None
+
+
+def study_name(p: GemmProblem, threads: int, isa: str) -> str:
+    return (f"gemm-{p.layout}-M{p.M}-K{p.K}-N{p.N}-t{threads}-{isa}-"
+            f"{cpu.detect().fingerprint}")
+
+
+def measure(problem: GemmProblem, params: GemmParams, threads: int,
+            samples: int = 5) -> pipeline.Measured:
+    """One candidate through the pipeline's timing: autohc vs torch.matmul, interleaved."""
+    a, b = problem.operands()
+    out = torch.empty(a.shape[0], b.shape[1])
+    cand = pipeline.Candidate(params, lambda: get_kernel(params), lambda: None,
+                              lambda: matmul(a, b, out=out, params=params))
+    undo = set_blas_threads(threads)
+    try:
+        return pipeline.evaluate(cand, lambda: torch.matmul(a, b, out=out), samples=samples)
+    finally:
+        undo()
+
+
+def tune_problem(problem: GemmProblem, threads: int = 1, *, trials: int | None = 40,
+                 timeout: float | None = 60.0, storage: str | None = None, seed: int = 0,
+                 force: bool = False, isa: str | None = None, progress=None) -> TuneResult:
+    """Tune (or answer from the registry) one problem. `trials` is the study's total."""
+    import optuna                       # imported only when a problem is really tuned
+    t0 = time.perf_counter()
+    isa = isa or cpu.best_isa()
+    if not force:
+        hit = registry.lookup("gemm", problem.layout, problem.K, problem.N, problem.M, threads, exact=True)
+        if hit and hit[1].get("M") == problem.M and hit[0].isa == isa:
+            return TuneResult.from_entry(problem, threads, *hit, time.perf_counter() - t0)
+    optuna.logging.set_verbosity(logging.WARNING)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    store = open_storage(storage)
+    name = study_name(problem, threads, isa)
+    study = optuna.create_study(study_name=name, storage=store, direction="maximize",
+                                sampler=optuna.samplers.TPESampler(seed=seed, n_startup_trials=4),
+                                load_if_exists=True)
+    if not study.trials:            # the default first: tuning never ends worse than it
+        for values in starting_points(default_params(isa, threads), isa):
+            study.enqueue_trial(values)
+    verifier = GemmVerifier(problem, seed)
+
+    def objective(trial) -> float:
+        try:
+            params = suggest_params(trial, isa, threads)
+        except ParamError as e:
+            raise optuna.TrialPruned(str(e)) from None
+        trial.set_user_attr("params", params.to_dict())
+        get_kernel(params)                          # build: BuildError / KernelError fail it
+        verifier(params)                            # verify: WrongResult fails it
+        m = measure(problem, params, threads)       # time
+        trial.set_user_attr("torch_gflops", problem.flops / m.baseline_seconds / 1e9)
+        trial.set_user_attr("spread", round(m.spread, 4))
+        return problem.flops / m.seconds / 1e9
+
+    def callback(study, trial) -> None:
+        if progress:
+            progress(study, trial)
+
+    finished = [t for t in study.trials if t.state.is_finished()]
+    remaining = None if trials is None else max(0, trials - len(finished))
+    if remaining != 0:
+        study.optimize(objective, n_trials=remaining, timeout=timeout, callbacks=[callback],
+                       catch=(BuildError, KernelError, WrongResult, RuntimeError))
+    trials_done = sum(t.state.is_finished() for t in study.trials)   # not the waiting starts
+    complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    if not complete:
+        raise RuntimeError(f"tuning {name}: no trial completed (see the study in {store.url})")
+    best = max(complete, key=lambda t: t.value)
+    params = GemmParams.from_dict(best.user_attrs["params"])
+    result = TuneResult(problem, threads, params, best.value, best.user_attrs["torch_gflops"],
+                        trials_done, False, name, time.perf_counter() - t0)
+    registry.record("gemm", problem.layout, problem.K, problem.N, problem.M, threads, params,
+                    result.gflops, result.torch_gflops, trials=trials_done, study=name,
+                    storage=_redact(store.url))
+    return result
+
+
+def _redact(url: str) -> str:
+    """A storage URL without its password, for the registry."""
+    try:
+        from sqlalchemy.engine import make_url
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001
+        return url.split("@")[-1]

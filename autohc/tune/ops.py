@@ -1,0 +1,130 @@
+"""`autohc tune --op NAME`: the element-wise kernels' parameters (search_spaces/eltwise.yaml)
+searched by measurement, as for GEMMs. The space is small, so Optuna walks all of it (a grid);
+each candidate must first compute what torch computes on the op's DiT-XL/2-sized tensors
+(`autohc bench ops` cases), then it is timed interleaved with torch. The best goes to the
+registry under (CPU, kernel, threads), where autohc.ops picks it up on its next call."""
+from __future__ import annotations
+
+import time
+
+import optuna
+import torch
+
+from ..bench.ops import adamw_params, op_cases
+from ..hw import cpu
+from ..kernels.eltwise import KERNELS, EltwiseParams, default_eltwise
+from ..kernels.eltwise.codegen import library
+from ..kernels.family import ParamError
+from ..torch import ops
+from . import pipeline, registry
+from .space import isa_entries, load_space
+from .verify import WrongResult, check_same
+
+# the `autohc bench ops` name of an op -> the kernel it times
+OP_KERNELS = {"gelu_tanh": "gelu_tanh_fwd", "gelu_tanh_backward": "gelu_tanh_bwd",
+              "silu": "silu_fwd", "silu_backward": "silu_bwd",
+              "layernorm_modulate": "ln_mod_fwd", "layernorm_modulate_backward": "ln_mod_bwd",
+              "softmax": "softmax_fwd", "softmax_backward": "softmax_bwd",
+              "gated_residual": "gated_residual", "adamw": "adamw"}
+ADAMW_PARAMS_PER_IMAGE = 1 << 23    # `tune --op adamw`: 67M parameters at --images 8
+
+
+def _adamw_case(images: int):
+    """(shape, bytes, step, torch step, check, torch check) for AdamW over 8M parameters per
+    image: the timed callables step one persistent optimizer each; the checks take one step
+    from the same start on fresh copies, so every candidate is compared from the same state."""
+    from ..torch.optim import AdamW
+    n = images * ADAMW_PARAMS_PER_IMAGE
+    start = adamw_params(n)
+    hyper = dict(lr=1e-3, weight_decay=0.01)
+
+    def fresh():
+        ps = [p.clone() for p in start]
+        for p, q in zip(ps, start):
+            p.grad = q.grad.clone()
+        return ps
+
+    def first_step(make):
+        ps = fresh()
+        make(ps).step()
+        return tuple(ps)
+
+    mine_opt, theirs_opt = AdamW(fresh(), **hyper), torch.optim.AdamW(fresh(), fused=True, **hyper)
+    return (f"{n / 1e6:.1f}M params", 28 * n, mine_opt.step, theirs_opt.step,
+            lambda: first_step(lambda ps: AdamW(ps, **hyper)),
+            lambda: first_step(lambda ps: torch.optim.AdamW(ps, fused=True, **hyper)))
+
+
+def grid(isa: str, threads: int, kernel: str | None = None) -> dict[str, list]:
+    """{parameter: values} of this back-end from search_spaces/eltwise.yaml, limited to the
+    knobs `kernel`'s template uses (kernels/eltwise/params.py KERNELS); a split over more
+    threads than `threads`, or the same as all of them (0), is left out."""
+    out = {name: list(e["values"]) for name, e in isa_entries(load_space("eltwise"), isa).items()}
+    if "threads" in out:
+        out["threads"] = [t for t in out["threads"] if t == 0 or t < threads]
+    if kernel is not None:
+        out = {k: v for k, v in out.items() if k in KERNELS[kernel]}
+    return out
+
+
+def tune_op(name: str, threads: int | None = None, *, images: int = 8, repeats: int = 5,
+            timeout: float = 60.0, seed: int = 0, progress=None) -> dict:
+    """Tune one operator's kernel; records and returns the best (params, ms, torch_ms)."""
+    if name not in OP_KERNELS:
+        raise ValueError(f"unknown op {name!r}; one of {', '.join(OP_KERNELS)}")
+    kernel = OP_KERNELS[name]
+    threads = threads or torch.get_num_threads()       # what autohc.ops uses, uninstalled
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        if name == "adamw":
+            shape, nbytes, mine, theirs, check, their_check = _adamw_case(images)
+        else:
+            _, shape, nbytes, mine, theirs = next(c for c in op_cases(images) if c[0] == name)
+            check, their_check = mine, theirs
+        isa = cpu.best_isa()
+        space = grid(isa, threads, kernel)
+        reference = their_check()
+        timings: dict[int, tuple[float, float]] = {}
+
+        def objective(trial) -> float:
+            params = EltwiseParams(isa=isa, **{k: trial.suggest_categorical(k, v) for k, v in space.items()})
+            try:
+                params.validate()
+            except ParamError as e:
+                raise optuna.TrialPruned(str(e)) from None
+            with ops.forced_params(kernel, params):
+                cand = pipeline.Candidate(params, lambda: library(kernel, params),
+                                          lambda: check_same(check(), reference, name), mine)
+                try:
+                    m = pipeline.evaluate(cand, theirs, samples=repeats)
+                except WrongResult:
+                    raise optuna.TrialPruned("wrong result") from None      # can never win
+            timings[trial.number] = (1e3 * m.seconds, 1e3 * m.baseline_seconds)
+            if progress:
+                knobs = " ".join(f"{k}={getattr(params, k)}" for k in space)
+                progress(f"  {name} {knobs}: {1e3 * m.seconds:.2f} ms "
+                         f"(torch {1e3 * m.baseline_seconds:.2f} ms)")
+            return m.seconds
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        study = optuna.create_study(direction="minimize", sampler=optuna.samplers.GridSampler(space, seed=seed))
+        t0 = time.perf_counter()
+        study.optimize(objective, timeout=timeout)
+        done = [t for t in study.trials if t.number in timings]
+        if not done:
+            raise RuntimeError(f"tune --op {name}: no candidate passed the correctness check")
+        best = min(done, key=lambda t: t.value)
+        ms, torch_ms = timings[best.number]
+        default = default_eltwise(isa)            # the grid's order is random: find its trial
+        default_ms = next((timings[t.number][0] for t in done
+                           if all(t.params[k] == getattr(default, k) for k in space)), None)
+        entry = registry.record_op("eltwise", kernel, threads, {"isa": isa, **best.params}, ms, torch_ms,
+                                   name=name, shape=shape, trials=len(done),
+                                   seconds=round(time.perf_counter() - t0, 1))
+        return {"op": name, "kernel": kernel, "threads": threads, "params": {"isa": isa, **best.params},
+                "ms": ms, "torch_ms": torch_ms, "speedup_vs_torch": torch_ms / ms,
+                "gbps": nbytes / ms / 1e6, "trials": len(done), "default_ms": default_ms,
+                "recorded_at": entry["recorded_at"]}
+    finally:
+        torch.set_num_threads(old)

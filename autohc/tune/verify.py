@@ -1,0 +1,65 @@
+"""The correctness gate of the tuner: a candidate must compute what the reference computes,
+within a tolerance stated here, before it is timed; a wrong one raises WrongResult and can
+never win."""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from ..kernels.gemm.matmul import matmul
+from ..kernels.gemm.params import GemmParams
+from ..kernels.gemm.problem import GemmProblem
+from . import registry
+
+U32 = 2.0 ** -24            # unit roundoff of float32
+
+
+class WrongResult(RuntimeError):
+    """A candidate kernel computed a wrong result: it must never win."""
+
+
+class GemmVerifier:
+    """GEMM: the problem's own operands (fp32 torch reference, error bound scaled to K) plus
+    ragged shapes in the same layout (float64 reference)."""
+
+    def __init__(self, problem: GemmProblem, seed: int = 0):
+        self.problem = problem
+        self.a, self.b = problem.operands(seed)
+        self.ref = torch.matmul(self.a, self.b)
+        k = self.a.shape[1]
+        # |fp32 - exact| of both autohc and torch's result, each <= gamma_k |A||B|
+        self.bound = 4.0 * (k + 4) * U32 * torch.matmul(self.a.abs(), self.b.abs()) + 1e-30
+        self.out = torch.empty_like(self.ref)
+        self.rng = random.Random(seed)
+
+    def __call__(self, params: GemmParams) -> None:
+        matmul(self.a, self.b, out=self.out, params=params)
+        bad = ~((self.out - self.ref).abs() <= self.bound)
+        if bad.any():
+            raise WrongResult(f"{int(bad.sum())} wrong elements on the problem's own shape")
+        for _ in range(6):
+            m, k, n = (self.rng.choice([1, 2, 3, 7, 13, params.mr + 1, params.nr + 1,
+                                        params.kc + 1, 61]) for _ in range(3))
+            a, b = GemmProblem("ragged", self.problem.layout,
+                               *registry.linear_dims(self.problem.layout, m, k, n)).operands()
+            out = matmul(a, b, params=params)
+            ref = a.double() @ b.double()
+            bound = 2.0 * (a.shape[1] + 4) * U32 * (a.double().abs() @ b.double().abs()) + 1e-30
+            if not ((out.double() - ref).abs() <= bound).all():
+                raise WrongResult(f"wrong result on ragged shape m={m} k={k} n={n}")
+
+    check = __call__
+
+
+def same(a, b, rtol: float = 1e-4, atol: float = 1e-5) -> bool:
+    """Element-wise operators: every output within rtol/atol of torch's (NaN where torch has
+    NaN). The kernels' own accuracy is tested tighter in tests/test_ops.py."""
+    a, b = (a, b) if isinstance(a, tuple) else ((a,), (b,))
+    return len(a) == len(b) and all(torch.allclose(u, v, rtol=rtol, atol=atol, equal_nan=True)
+                                    for u, v in zip(a, b))
+
+
+def check_same(got, reference, what: str) -> None:
+    if not same(got, reference):
+        raise WrongResult(f"{what}: result differs from torch's")
