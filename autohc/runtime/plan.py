@@ -9,7 +9,7 @@ Kept cores come from the end of the CPU list, so compute keeps node 0's cores fi
 machine too small to give them away (fewer cores than asked + 1) shares: the kept role runs
 on the last compute core, and `shared` says so. Compute cores are ordered by NUMA node, so
 team thread t of the native pool (runtime.pool) runs on compute[t], and consecutive slices
-of a kernel's work (GEMM clusters, operator row blocks) land on one node.
+of a kernel's work (GEMM JC ways, operator row blocks) land on one node.
 """
 from __future__ import annotations
 

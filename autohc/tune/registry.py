@@ -20,6 +20,8 @@ from pathlib import Path
 
 from ..build import atomic_write_text, cache_dir
 from ..hw import cpu
+from ..kernels.eltwise.family import ELTWISE
+from ..kernels.gemm.family import GEMM, m_bucket
 from ..kernels.gemm.params import GemmParams, ParamError
 
 VERSION = 1
@@ -33,13 +35,11 @@ def registry_path() -> Path:
     return Path(os.environ.get("AUTOHC_REGISTRY", cache_dir() / "registry.json"))
 
 
-def m_bucket(m: int) -> int:
-    """Power-of-two bucket of M (rounded in log space): 2048 -> 2048, 1500 -> 1024, 8 -> 8."""
-    return 1 << max(0, round(math.log2(max(1, m))))
-
-
-def entry_key(op: str, layout: str, K: int, N: int, bucket: int, threads: int) -> str:
-    return f"{op}/{layout}/K{K}/N{N}/M{bucket}/t{threads}"
+def entry_key(op: str, layout: str, K: int, N: int, M: int, threads: int) -> str:
+    """The key of a GEMM problem (the family's own, kernels/gemm/family.py)."""
+    if op != GEMM.name:
+        raise ValueError(f"no GEMM problem key for op {op!r}")
+    return GEMM.problem_key(layout, K, N, M, threads)
 
 
 @contextlib.contextmanager
@@ -146,7 +146,7 @@ def record(op: str, layout: str, K: int, N: int, M: int, threads: int, params: G
     """Store (or replace) the best configuration of a problem for this CPU."""
     params.validate()
     info = cpu.detect()
-    key = entry_key(op, layout, K, N, m_bucket(M), threads)
+    key = entry_key(op, layout, K, N, M, threads)
     entry = {"fingerprint": info.fingerprint, "cpu": info.model, "op": op, "layout": layout,
              "K": K, "N": N, "M": M, "threads": threads, "params": params.to_dict(),
              "gflops": round(gflops, 2), "torch_gflops": round(torch_gflops, 2),
@@ -165,7 +165,10 @@ def entries_for_this_cpu(op: str | None = None) -> dict:
 # ------------------------------------------- element-wise operators (autohc tune --op NAME)
 
 def op_key(op: str, kernel: str, threads: int) -> str:
-    return f"{op}/{kernel}/t{threads}"
+    """The key of an operator kernel (the family's own, kernels/eltwise/family.py)."""
+    if op != ELTWISE.name:
+        raise ValueError(f"no operator key for op {op!r}")
+    return ELTWISE.problem_key(kernel, threads)
 
 
 def record_op(op: str, kernel: str, threads: int, params: dict, ms: float, torch_ms: float,
