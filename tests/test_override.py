@@ -54,6 +54,8 @@ def test_linear_forward_and_backward_run_on_autohc():
 
 
 def test_install_owns_the_threads_and_uninstall_gives_them_back(monkeypatch):
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)     # libgomp's default: a long spin
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     seen = []
     real = override.gemm_into
     monkeypatch.setattr(override, "gemm_into", lambda *a: seen.append(a[-1]) or real(*a))
@@ -311,3 +313,35 @@ def test_no_compiler_falls_back_to_aten_with_one_warning(tmp_path):
     assert r["mine"] == pytest.approx(r["stock"], rel=1e-5)
     assert len(r["warnings"]) == 1 and "runs on ATen" in r["warnings"][0], r["warnings"]
     assert r["error"] and "C compiler" in r["error"] and "\n" not in r["error"]
+
+
+def test_install_keeps_torchs_threads_where_its_workers_wait_briefly(monkeypatch):
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for env, want in (({"GOMP_SPINCOUNT": "10000"}, 2), ({"OMP_WAIT_POLICY": "passive"}, 2),
+                          ({"GOMP_SPINCOUNT": "300000"}, 1), ({}, 1)):
+            for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+                monkeypatch.delenv(k, raising=False)
+            for k, v in env.items():
+                monkeypatch.setenv(k, v)
+            with autohc.installed():
+                assert torch.get_num_threads() == want, env
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_train_asks_for_the_short_spin_before_torch_loads():
+    """`autohc train|sample|eval` set GOMP_SPINCOUNT before torch is imported (libgomp reads it
+    then), unless the user chose a wait policy or --no-autohc."""
+    code = ("import os, sys; from autohc.cli import main; "
+            "from autohc.runtime import omp; import autohc.cli as c; "
+            "c.build_parser = lambda: sys.exit(0 if os.environ.get('GOMP_SPINCOUNT') == "
+            "str(omp.SHORT_SPIN) and 'torch' not in sys.modules else 3); main(sys.argv[1:])")
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    run = lambda *a, **kw: subprocess.run([sys.executable, "-c", code, *a], env={**env, **kw},  # noqa: E731
+                                          capture_output=True, text=True, timeout=120).returncode
+    assert run("train", "--data", "digits") == 0
+    assert run("train", "--no-autohc") == 3
+    assert run("eval", OMP_WAIT_POLICY="ACTIVE") == 3

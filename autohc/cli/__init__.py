@@ -450,6 +450,10 @@ def markdown_table(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    words = sys.argv[1:] if argv is None else argv
+    if words[:1] in (["train"], ["sample"], ["eval"]) and "--no-autohc" not in words:
+        from ..runtime import omp
+        omp.prefer_short_spin()         # before anything imports torch: autohc/runtime/omp.py
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "bench" and not getattr(args, "contended", True):

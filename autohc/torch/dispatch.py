@@ -25,6 +25,7 @@ import warnings
 import torch
 
 from ..kernels.gemm.matmul import bmm_into, gemm_into
+from ..runtime import omp
 from ..runtime.memory import fresh_empty
 from . import fallback
 from .ops import ATEN_IMPLS
@@ -135,16 +136,20 @@ def _positive(name: str, v) -> None:
         raise ValueError(f"autohc.install: {name} must be a positive int, got {v!r}")
 
 
-def install(threads: int | None = None, torch_threads: int | None = 1) -> None:
+def install(threads: int | None = None, torch_threads: int | str | None = "auto") -> None:
     """Route torch's CPU float32 GEMMs and the fused operators to autohc kernels (tuned ones
     from the registry).
 
     threads: threads of autohc's kernels (default: torch.get_num_threads() at the first install).
-    torch_threads: torch's own intra-op threads while installed (default 1; None leaves them).
-        torch's OpenMP workers spin for milliseconds after each op and take the cores from
-        autohc's kernels: measured on a DiT-S/2 step, autohc with torch's pool at 2 threads was
-        no faster than stock torch; with it at 1, 1.6x. uninstall() restores the setting."""
+    torch_threads: torch's own intra-op threads while installed; None leaves them. "auto"
+        (default): leave them where torch's OpenMP workers wait briefly after each op
+        (GOMP_SPINCOUNT <= 100000 or OMP_WAIT_POLICY=PASSIVE set before torch was imported,
+        as `autohc train` does), else 1: with libgomp's default spin, torch's idle workers
+        take the cores from autohc's kernels (measured: runtime/omp.py). uninstall()
+        restores the setting."""
     _positive("threads", threads)
+    if torch_threads == "auto":
+        torch_threads = None if omp.torch_waits_briefly() else 1
     _positive("torch_threads", torch_threads)
     with _lock:
         if _state["lib"] is None:
@@ -184,7 +189,7 @@ def is_installed() -> bool:
 
 
 @contextlib.contextmanager
-def installed(threads: int | None = None, torch_threads: int | None = 1):
+def installed(threads: int | None = None, torch_threads: int | str | None = "auto"):
     """`with autohc.installed(): ...` — installed inside the block, as before after it."""
     was = is_installed()
     install(threads, torch_threads)

@@ -1,0 +1,46 @@
+"""torch's OpenMP pool and autohc's worker pool on the same cores.
+
+torch's libgomp workers spin after each parallel region (by default for about 300,000
+iterations, i.e. milliseconds), and a spinning worker takes its core from the autohc team
+that runs next. libgomp reads its wait policy once, when torch is imported, from
+OMP_WAIT_POLICY and GOMP_SPINCOUNT. Measured on a DiT-S/2 training step (README, "Threads"):
+with torch's pool at all cores and the default spin, autohc's step was 1.3x slower than with
+torch's pool at one thread; with GOMP_SPINCOUNT=10000 (a spin of microseconds) torch's pool
+at all cores was 5-10 % faster than at one thread; OMP_WAIT_POLICY=PASSIVE slowed stock torch
+itself by 25-50 %.
+
+So install() keeps torch's threads where torch's workers wait briefly, and otherwise sets
+torch's pool to one thread while installed. The `autohc` commands that train or sample
+(`train`, `sample`, `eval`) ask for the short spin before they import torch; a script can do
+the same with `prefer_short_spin()` before `import torch`, or with the variable in its
+environment. Nothing here imports torch.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+SHORT_SPIN = 10_000             # GOMP_SPINCOUNT autohc asks for: microseconds of spinning
+BRIEF_SPIN_MAX = 100_000        # at most this many spins counts as waiting briefly
+
+
+def prefer_short_spin() -> bool:
+    """Set GOMP_SPINCOUNT to SHORT_SPIN if torch (so libgomp) is not loaded yet and the user
+    chose no wait policy. Returns whether it was set."""
+    if "torch" in sys.modules or "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return False
+    os.environ["GOMP_SPINCOUNT"] = str(SHORT_SPIN)
+    return True
+
+
+def torch_waits_briefly() -> bool:
+    """Whether torch's OpenMP workers sleep soon after a region: a passive wait policy or a
+    spin count of at most BRIEF_SPIN_MAX in the environment (read by libgomp at torch's
+    import; set before it, as the shell or prefer_short_spin() does)."""
+    if os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE":
+        return True
+    raw = os.environ.get("GOMP_SPINCOUNT", "").strip()
+    try:
+        return bool(raw) and int(raw) <= BRIEF_SPIN_MAX
+    except ValueError:
+        return False
