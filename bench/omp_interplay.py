@@ -1,7 +1,7 @@
 """Does autohc's thread pool fight torch's OpenMP pool? Measure it.
 
-autohc GEMM threads are a persistent pthread pool (not OpenMP) whose workers spin for at most
-`spin_us` (200 us) after a GEMM and then sleep on a condition variable. torch's libgomp
+autohc's kernels run on the process's one worker pool (pthreads, not OpenMP), whose workers
+spin for at most 200 us after a job and then sleep on a condition variable. torch's libgomp
 threads also spin after a parallel region. This script times, at T threads each:
   alone:        autohc GEMM back-to-back
   after torch:  autohc GEMM right after a torch op that used all OpenMP threads

@@ -1,4 +1,5 @@
-"""The `autohc` command line.
+"""The `autohc` command line: the parser and the dispatch here, one module per command group
+(tune, kernels: info/export/report/cache, bench, dit: train/sample/eval/bench step).
 
     autohc info                              what this CPU is and which back-end runs
     autohc bench gemm --model dit-xl         autohc vs torch vs numpy on DiT training GEMMs
@@ -6,11 +7,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-from pathlib import Path
 
+from . import bench, kernels, tune
 from .argtypes import non_negative_int, positive_int
 
 # torch's libgomp threads spin for milliseconds after each parallel region and OpenBLAS's for
@@ -176,279 +176,6 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def cmd_gate(args) -> int:
-    from ..bench import gate
-    path = Path(args.baseline) if args.baseline else gate.DEFAULT_BASELINE
-    show = lambda key, ratio: print(f"  measured {key}: {ratio:.2f}x torch", file=sys.stderr, flush=True)  # noqa: E731
-    if args.update:
-        entry = gate.update(path, progress=show)
-        print(f"autohc: baseline for {entry['cpu']} written to {path} ({len(entry['ratios'])} ratios)")
-        return 0
-    margin = gate.MARGIN if args.margin is None else args.margin
-    if not 0 < margin < 1:
-        raise SystemExit("autohc: error: --margin must be between 0 and 1")
-    ok, lines = gate.check(path, margin, progress=show)
-    for line in lines:
-        print(line)
-    print("autohc perf gate: " + ("passed" if ok else "FAILED"))
-    return 0 if ok else 1
-
-
-def cmd_info(args) -> int:
-    from ..bench.peak import fma_peak_gflops
-    from ..build import cache_dir, cache_entries
-    from ..hw import cpu
-    from ..runtime import plan
-    from ..tune import registry
-    info = cpu.detect()
-    isa = cpu.best_isa(info)
-    data = {
-        "model": info.model, "arch": info.arch, "fingerprint": info.fingerprint, "isa": isa,
-        "runnable_isas": cpu.runnable_isas(info), "cores": info.cores, "cpus": list(info.cpus),
-        "caches": [f"L{c.level} {c.kind} {c.size_bytes // 1024} KiB" for c in info.caches],
-        "numa_nodes": [list(n) for n in info.numa_nodes],
-        "fma_peak_gflops_per_core": round(fma_peak_gflops(isa), 1),
-        "cpu_plan": plan.current().describe(),
-        "cache_dir": str(cache_dir()), "cached_kernels": len(cache_entries()),
-        "registry": str(registry.registry_path()),
-        "registry_entries": len(registry.entries_for_this_cpu()),
-    }
-    if args.json:
-        print(json.dumps(data))
-    else:
-        for k, v in data.items():
-            print(f"{k:>26}: {v}")
-    return 0
-
-
-def cmd_tune(args, parser) -> int:
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
-
-    from ..bench.peak import fma_peak_gflops
-    from ..hw import cpu
-    from ..kernels.gemm.problem import GemmProblem, dit_problems
-    from ..tune import registry
-    from ..tune.result import TuneResult
-    if args.timeout <= 0:
-        parser.error("--timeout must be > 0")
-    if args.storage is not None:
-        from ..tune import StorageError, open_storage
-        try:
-            open_storage(args.storage)          # a bad URL: exit 2 before anything is written
-        except StorageError as e:
-            parser.error(str(e))
-    threads = args.threads or cpu.detect().cores
-    if args.op:
-        return _tune_ops(args, threads)
-    if args.model:
-        problems = dit_problems(args.model, max(1, args.m // 256))
-    else:
-        k, n = args.shape
-        layouts = ["NT", "NN", "TN"] if args.layout == "all" else [args.layout]
-        problems = [GemmProblem(f"{k}x{n}", lay, args.m, k, n) for lay in layouts]
-    if args.layout != "all" and args.model:
-        problems = [p for p in problems if p.layout == args.layout]
-    console = Console(stderr=True)
-    results = []
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[best]}"),
-                  TimeElapsedColumn(), console=console, transient=True) as progress:
-        for p in problems:
-            hit = None if args.force else registry.lookup("gemm", p.layout, p.K, p.N, p.M, threads,
-                                                          exact=True)
-            if hit and hit[1].get("M") == p.M and hit[0].isa == cpu.best_isa():
-                r = TuneResult.from_entry(p, threads, *hit)      # no torch, no optuna
-                results.append(r)
-                if args.json:
-                    print(json.dumps(r.to_json()), flush=True)
-                continue
-            from ..tune import tune_problem
-            task = progress.add_task(f"{p.name} {p.layout} M={p.M}", total=args.trials, best="")
-
-            def on_trial(study, trial, task=task):
-                try:
-                    best = f"best {study.best_value:.1f} GFLOP/s"
-                except ValueError:
-                    best = ""
-                progress.update(task, completed=len(study.trials), best=best)
-            r = tune_problem(p, threads, trials=args.trials, timeout=args.timeout,
-                             storage=args.storage, seed=args.seed, force=args.force,
-                             progress=on_trial)
-            progress.update(task, completed=args.trials)
-            results.append(r)
-            if args.json:
-                print(json.dumps(r.to_json()), flush=True)
-    if args.json:
-        return 0
-    peak = fma_peak_gflops(cpu.best_isa()) * threads
-    t = Table(title=f"tuned GEMMs, {threads} thread(s), {cpu.best_isa()}")
-    for col in ("GEMM", "layout", "M", "K", "N", "MRxNR", "KC/MC/NC", "JCxICxJR ways", "depth",
-                "GFLOP/s", "% peak", "torch", "x torch", "trials", "source"):
-        t.add_column(col, justify="left" if col in ("GEMM", "layout", "source") else "right")
-    for r in results:
-        q, p = r.params, r.problem
-        t.add_row(p.name, p.layout, str(p.M), str(p.K), str(p.N), f"{q.mr}x{q.nr}",
-                  f"{q.kc}/{q.mc}/{q.nc}", f"{q.jc_ways}x{q.ic_ways}x{q.jr_ways}", str(q.depth),
-                  f"{r.gflops:.1f}", f"{100 * r.gflops / peak:.0f}%", f"{r.torch_gflops:.1f}",
-                  f"{r.speedup_vs_torch:.2f}", str(r.trials),
-                  "registry" if r.from_registry else "tuned")
-    Console(width=max(Console().width, 150)).print(t)
-    return 0
-
-
-def _tune_ops(args, threads: int) -> int:
-    from ..tune.ops import OP_KERNELS, tune_op
-    names = list(OP_KERNELS) if args.op == ["all"] else args.op
-    unknown = [n for n in names if n not in OP_KERNELS]
-    if unknown:
-        raise ValueError(f"unknown op {unknown}; one of {', '.join(OP_KERNELS)} or all")
-    say = None if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
-    for name in names:
-        r = tune_op(name, threads, images=args.images, timeout=args.timeout, seed=args.seed, progress=say)
-        if args.json:
-            print(json.dumps(r))
-        else:
-            knobs = " ".join(f"{k} {v}" for k, v in r["params"].items() if k != "isa")
-            print(f"{name}: {knobs} ({r['params']['isa']}), {r['ms']:.2f} ms, "
-                  f"torch {r['torch_ms']:.2f} ms, {r['speedup_vs_torch']:.2f}x, {r['trials']} trials "
-                  f"-> registry")
-    return 0
-
-
-def cmd_export(args) -> int:
-    from ..tune.export import export
-    m = export(args.out, include_defaults=not args.no_defaults)
-    print(f"autohc: exported {len(m['kernels'])} kernel(s) to {args.out}/ "
-          f"(autohc_kernels.h, manifest.json, kernels/)")
-    return 0
-
-
-def cmd_report(args, parser) -> int:
-    from ..tune import StorageError
-    from ..tune.report import report
-    try:
-        paths = report(args.out, args.storage)
-    except StorageError as e:
-        parser.error(str(e))
-    print(f"autohc: wrote {len(paths)} plot(s) to {args.out}/")
-    return 0
-
-
-def cmd_cache(args) -> int:
-    import hashlib
-    import shutil
-
-    from ..build import cache_dir, cache_entries
-    entries = cache_entries()
-    if args.action == "clear":
-        shutil.rmtree(cache_dir() / "kernels", ignore_errors=True)
-        print(f"autohc: removed {len(entries)} compiled kernel(s) from {cache_dir()}")
-        return 0
-    bad = 0
-    rows = []
-    for e in entries:
-        row = {"entry": e["entry"], "op": e.get("op"), "file": e.get("file"),
-               "built_at": e.get("built_at")}
-        if args.action == "verify":
-            try:
-                lib = Path(e["entry"]) / e["file"]
-                row["ok"] = hashlib.sha256(lib.read_bytes()).hexdigest() == e["sha256"]
-            except (KeyError, OSError, TypeError):
-                row["ok"] = False
-            bad += not row["ok"]
-        rows.append(row)
-    if args.json:
-        print(json.dumps({"cache_dir": str(cache_dir()), "entries": rows, "bad": bad}))
-    else:
-        for r in rows:
-            status = "" if args.action == "list" else ("ok   " if r["ok"] else "BAD  ")
-            print(f"{status}{r['op'] or '?':6} {r['entry']}")
-        print(f"{len(rows)} kernel(s) in {cache_dir()}" +
-              (f", {bad} failed verification (they will be rebuilt, never loaded)" if bad else ""))
-    return 1 if bad else 0
-
-
-def cmd_bench_gemm(args) -> int:
-    from rich.console import Console
-    from rich.progress import Progress
-    from rich.table import Table
-
-    from ..bench.gemm import bench_gemm
-    from ..kernels.gemm.problem import dit_problems
-    console = Console(stderr=True)
-    results = []
-    n = len(dit_problems(args.model, args.images))
-    with Progress(console=console, transient=True) as progress:
-        for threads in args.threads:
-            task = progress.add_task(f"{args.model} GEMMs, {threads} thread(s)", total=n)
-            r = bench_gemm(args.model, threads, repeats=args.repeats, images=args.images,
-                           progress=lambda _row, t=task: progress.advance(t))
-            r["wait_policy"] = "contended" if args.contended else "passive"
-            results.append(r)
-    if args.json:
-        for r in results:
-            print(json.dumps(r))
-        return 0
-    if args.markdown:
-        for r in results:
-            print(markdown_table(r))
-        return 0
-    out = Console(width=max(Console().width, 130))
-    for r in results:
-        t = Table(title=f"{r['model']} training GEMMs, {r['threads']} thread(s), {r['isa']} "
-                        f"(peak {r['peak_gflops_per_core']} GFLOP/s per core)")
-        for col in ("GEMM", "layout", "M", "K", "N", "config", "autohc GFLOP/s", "% peak", "torch",
-                    "numpy", "x torch", "x numpy"):
-            t.add_column(col, justify="left" if col in ("GEMM", "layout", "config") else "right")
-        for row in r["rows"]:
-            t.add_row(row["name"], row["layout"], str(row["M"]), str(row["K"]), str(row["N"]),
-                      row.get("config", ""),
-                      f"{row['gflops']:.1f}", f"{row['pct_peak']:.0f}%",
-                      f"{row['torch_gflops']:.1f}", f"{row['numpy_gflops']:.1f}",
-                      f"{row['speedup_vs_torch']:.2f}", f"{row['speedup_vs_numpy']:.2f}")
-        t.caption = (f"geomean: {r['geomean_speedup_vs_torch']:.2f}x torch, "
-                     f"{r['geomean_speedup_vs_numpy']:.2f}x numpy")
-        out.print(t)
-    return 0
-
-
-def cmd_bench_ops(args) -> int:
-    import torch
-    from ..bench.ops import bench_ops
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    r = bench_ops(args.images, args.repeats, args.adamw_params, args.ops,
-                  progress=None if args.json else lambda m: print(m, file=sys.stderr, flush=True))
-    if args.json:
-        print(json.dumps(r, indent=2))
-        return 0
-    print(f"{r['threads']} threads, copy bandwidth {r['bandwidth_gbps']:.1f} GB/s")
-    print(f"{'op':28s} {'shape':18s} {'ms':>8s} {'torch ms':>9s} {'speedup':>8s} {'GB/s':>6s} {'% bw':>5s}")
-    for w in r["rows"]:
-        print(f"{w['name']:28s} {w['shape']:18s} {w['ms']:8.2f} {w['torch_ms']:9.2f} "
-              f"{w['speedup']:7.2f}x {w['gbps']:6.1f} {w['pct_bandwidth']:4.0f}%")
-    if r["adamw_ms"]:
-        a = r["adamw_ms"]
-        print(f"adamw: autohc {a['autohc']:.1f} ms, torch fused {a['torch_fused']:.1f} ms, "
-              f"torch foreach {a['torch_foreach']:.1f} ms")
-    return 0
-
-
-def markdown_table(r: dict) -> str:
-    lines = [f"**{r['model']}, {r['threads']} thread(s)**, {r['isa']}, measured peak "
-             f"{r['peak_gflops_per_core']} GFLOP/s per core; geomean "
-             f"**{r['geomean_speedup_vs_torch']:.2f}x torch, {r['geomean_speedup_vs_numpy']:.2f}x numpy**",
-             "", "| GEMM | layout | M | K | N | config | autohc GFLOP/s | % peak | torch | numpy | x torch | x numpy |",
-             "|---|---|--:|--:|--:|---|--:|--:|--:|--:|--:|--:|"]
-    for w in r["rows"]:
-        lines.append(f"| {w['name']} | {w['layout']} | {w['M']} | {w['K']} | {w['N']} | {w.get('config', '')} "
-                     f"| {w['gflops']:.1f} "
-                     f"| {w['pct_peak']:.0f}% | {w['torch_gflops']:.1f} | {w['numpy_gflops']:.1f} "
-                     f"| {w['speedup_vs_torch']:.2f} | {w['speedup_vs_numpy']:.2f} |")
-    return "\n".join(lines) + "\n"
-
-
 def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
     if words[:1] in (["train"], ["sample"], ["eval"]) and "--no-autohc" not in words:
@@ -466,21 +193,21 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
     try:
         if args.command == "info":
-            return cmd_info(args)
+            return kernels.cmd_info(args)
         if args.command == "tune":
-            return cmd_tune(args, parser)
+            return tune.cmd_tune(args, parser)
         if args.command == "export":
-            return cmd_export(args)
+            return kernels.cmd_export(args)
         if args.command == "cache":
-            return cmd_cache(args)
+            return kernels.cmd_cache(args)
         if args.command == "report":
-            return cmd_report(args, parser)
+            return kernels.cmd_report(args, parser)
         if args.command == "bench" and args.what == "gemm":
-            return cmd_bench_gemm(args)
+            return bench.cmd_bench_gemm(args)
         if args.command == "bench" and args.what == "gate":
-            return cmd_gate(args)
+            return bench.cmd_gate(args)
         if args.command == "bench" and args.what == "ops":
-            return cmd_bench_ops(args)
+            return bench.cmd_bench_ops(args)
         if args.command in ("train", "sample", "eval") or getattr(args, "what", None) == "step":
             from . import dit as commands
             run = {"train": commands.cmd_train, "sample": commands.cmd_sample,

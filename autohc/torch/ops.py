@@ -16,6 +16,7 @@ implementation.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 from typing import Callable, NamedTuple
@@ -63,15 +64,21 @@ def params_for(kernel: str) -> EltwiseParams:
 def kernel_fn(kernel: str, params: EltwiseParams | None = None):
     """(ffi, the kernel's exported team function <prefix>_<kernel>_par, params)."""
     p = params or params_for(kernel)
-    lib = library(kernel, p)
-    return lib.ffi, getattr(lib.lib, f"{p.for_kernel(kernel).symbol(kernel)}_{kernel}_par"), p
+    ffi, fn, _ = _functions(kernel, p)
+    return ffi, fn, p
 
 
 def split_threads(kernel: str, elems: int, params: EltwiseParams | None = None) -> int:
     """Threads a call of `kernel` over `elems` elements uses (the kernel's own rule)."""
-    p = params or params_for(kernel)
+    return _functions(kernel, params or params_for(kernel))[2](elems, kernel_threads())
+
+
+@functools.lru_cache(maxsize=None)
+def _functions(kernel: str, p: EltwiseParams):
+    """(ffi, <prefix>_<kernel>_par, <prefix>_split) of a kernel: looked up once, called often."""
     lib = library(kernel, p)
-    return getattr(lib.lib, f"{p.for_kernel(kernel).symbol(kernel)}_split")(elems, kernel_threads())
+    sym = p.for_kernel(kernel).symbol(kernel)
+    return lib.ffi, getattr(lib.lib, f"{sym}_{kernel}_par"), getattr(lib.lib, f"{sym}_split")
 
 
 def _ptr(ffi, t):

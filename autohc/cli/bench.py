@@ -1,0 +1,105 @@
+"""`autohc bench gemm|ops|gate`: measurements against torch and numpy (`bench step` is in
+cli/dit.py with the trainer's commands)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def cmd_gate(args) -> int:
+    from ..bench import gate
+    path = Path(args.baseline) if args.baseline else gate.DEFAULT_BASELINE
+    show = lambda key, ratio: print(f"  measured {key}: {ratio:.2f}x torch", file=sys.stderr, flush=True)  # noqa: E731
+    if args.update:
+        entry = gate.update(path, progress=show)
+        print(f"autohc: baseline for {entry['cpu']} written to {path} ({len(entry['ratios'])} ratios)")
+        return 0
+    margin = gate.MARGIN if args.margin is None else args.margin
+    if not 0 < margin < 1:
+        raise SystemExit("autohc: error: --margin must be between 0 and 1")
+    ok, lines = gate.check(path, margin, progress=show)
+    for line in lines:
+        print(line)
+    print("autohc perf gate: " + ("passed" if ok else "FAILED"))
+    return 0 if ok else 1
+
+
+def cmd_bench_gemm(args) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from ..bench.gemm import bench_gemm
+    from ..kernels.gemm.problem import dit_problems
+    console = Console(stderr=True)
+    results = []
+    n = len(dit_problems(args.model, args.images))
+    with Progress(console=console, transient=True) as progress:
+        for threads in args.threads:
+            task = progress.add_task(f"{args.model} GEMMs, {threads} thread(s)", total=n)
+            r = bench_gemm(args.model, threads, repeats=args.repeats, images=args.images,
+                           progress=lambda _row, t=task: progress.advance(t))
+            r["wait_policy"] = "contended" if args.contended else "passive"
+            results.append(r)
+    if args.json:
+        for r in results:
+            print(json.dumps(r))
+        return 0
+    if args.markdown:
+        for r in results:
+            print(markdown_table(r))
+        return 0
+    out = Console(width=max(Console().width, 130))
+    for r in results:
+        t = Table(title=f"{r['model']} training GEMMs, {r['threads']} thread(s), {r['isa']} "
+                        f"(peak {r['peak_gflops_per_core']} GFLOP/s per core)")
+        for col in ("GEMM", "layout", "M", "K", "N", "config", "autohc GFLOP/s", "% peak", "torch",
+                    "numpy", "x torch", "x numpy"):
+            t.add_column(col, justify="left" if col in ("GEMM", "layout", "config") else "right")
+        for row in r["rows"]:
+            t.add_row(row["name"], row["layout"], str(row["M"]), str(row["K"]), str(row["N"]),
+                      row.get("config", ""),
+                      f"{row['gflops']:.1f}", f"{row['pct_peak']:.0f}%",
+                      f"{row['torch_gflops']:.1f}", f"{row['numpy_gflops']:.1f}",
+                      f"{row['speedup_vs_torch']:.2f}", f"{row['speedup_vs_numpy']:.2f}")
+        t.caption = (f"geomean: {r['geomean_speedup_vs_torch']:.2f}x torch, "
+                     f"{r['geomean_speedup_vs_numpy']:.2f}x numpy")
+        out.print(t)
+    return 0
+
+
+def cmd_bench_ops(args) -> int:
+    import torch
+    from ..bench.ops import bench_ops
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    r = bench_ops(args.images, args.repeats, args.adamw_params, args.ops,
+                  progress=None if args.json else lambda m: print(m, file=sys.stderr, flush=True))
+    if args.json:
+        print(json.dumps(r, indent=2))
+        return 0
+    print(f"{r['threads']} threads, copy bandwidth {r['bandwidth_gbps']:.1f} GB/s")
+    print(f"{'op':28s} {'shape':18s} {'ms':>8s} {'torch ms':>9s} {'speedup':>8s} {'GB/s':>6s} {'% bw':>5s}")
+    for w in r["rows"]:
+        print(f"{w['name']:28s} {w['shape']:18s} {w['ms']:8.2f} {w['torch_ms']:9.2f} "
+              f"{w['speedup']:7.2f}x {w['gbps']:6.1f} {w['pct_bandwidth']:4.0f}%")
+    if r["adamw_ms"]:
+        a = r["adamw_ms"]
+        print(f"adamw: autohc {a['autohc']:.1f} ms, torch fused {a['torch_fused']:.1f} ms, "
+              f"torch foreach {a['torch_foreach']:.1f} ms")
+    return 0
+
+
+def markdown_table(r: dict) -> str:
+    lines = [f"**{r['model']}, {r['threads']} thread(s)**, {r['isa']}, measured peak "
+             f"{r['peak_gflops_per_core']} GFLOP/s per core; geomean "
+             f"**{r['geomean_speedup_vs_torch']:.2f}x torch, {r['geomean_speedup_vs_numpy']:.2f}x numpy**",
+             "", "| GEMM | layout | M | K | N | config | autohc GFLOP/s | % peak | torch | numpy | x torch | x numpy |",
+             "|---|---|--:|--:|--:|---|--:|--:|--:|--:|--:|--:|"]
+    for w in r["rows"]:
+        lines.append(f"| {w['name']} | {w['layout']} | {w['M']} | {w['K']} | {w['N']} | {w.get('config', '')} "
+                     f"| {w['gflops']:.1f} "
+                     f"| {w['pct_peak']:.0f}% | {w['torch_gflops']:.1f} | {w['numpy_gflops']:.1f} "
+                     f"| {w['speedup_vs_torch']:.2f} | {w['speedup_vs_numpy']:.2f} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,86 @@
+"""`autohc info`, `autohc export`, `autohc report`, `autohc cache`: what this machine runs and
+what the cache and the registry hold."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def cmd_info(args) -> int:
+    from ..bench.peak import fma_peak_gflops
+    from ..build import cache_dir, cache_entries
+    from ..hw import cpu
+    from ..runtime import plan
+    from ..tune import registry
+    info = cpu.detect()
+    isa = cpu.best_isa(info)
+    data = {
+        "model": info.model, "arch": info.arch, "fingerprint": info.fingerprint, "isa": isa,
+        "runnable_isas": cpu.runnable_isas(info), "cores": info.cores, "cpus": list(info.cpus),
+        "caches": [f"L{c.level} {c.kind} {c.size_bytes // 1024} KiB" for c in info.caches],
+        "numa_nodes": [list(n) for n in info.numa_nodes],
+        "fma_peak_gflops_per_core": round(fma_peak_gflops(isa), 1),
+        "cpu_plan": plan.current().describe(),
+        "cache_dir": str(cache_dir()), "cached_kernels": len(cache_entries()),
+        "registry": str(registry.registry_path()),
+        "registry_entries": len(registry.entries_for_this_cpu()),
+    }
+    if args.json:
+        print(json.dumps(data))
+    else:
+        for k, v in data.items():
+            print(f"{k:>26}: {v}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from ..tune.export import export
+    m = export(args.out, include_defaults=not args.no_defaults)
+    print(f"autohc: exported {len(m['kernels'])} kernel(s) to {args.out}/ "
+          f"(autohc_kernels.h, manifest.json, kernels/)")
+    return 0
+
+
+def cmd_report(args, parser) -> int:
+    from ..tune import StorageError
+    from ..tune.report import report
+    try:
+        paths = report(args.out, args.storage)
+    except StorageError as e:
+        parser.error(str(e))
+    print(f"autohc: wrote {len(paths)} plot(s) to {args.out}/")
+    return 0
+
+
+def cmd_cache(args) -> int:
+    import hashlib
+    import shutil
+
+    from ..build import cache_dir, cache_entries
+    entries = cache_entries()
+    if args.action == "clear":
+        shutil.rmtree(cache_dir() / "kernels", ignore_errors=True)
+        print(f"autohc: removed {len(entries)} compiled kernel(s) from {cache_dir()}")
+        return 0
+    bad = 0
+    rows = []
+    for e in entries:
+        row = {"entry": e["entry"], "op": e.get("op"), "file": e.get("file"),
+               "built_at": e.get("built_at")}
+        if args.action == "verify":
+            try:
+                lib = Path(e["entry"]) / e["file"]
+                row["ok"] = hashlib.sha256(lib.read_bytes()).hexdigest() == e["sha256"]
+            except (KeyError, OSError, TypeError):
+                row["ok"] = False
+            bad += not row["ok"]
+        rows.append(row)
+    if args.json:
+        print(json.dumps({"cache_dir": str(cache_dir()), "entries": rows, "bad": bad}))
+    else:
+        for r in rows:
+            status = "" if args.action == "list" else ("ok   " if r["ok"] else "BAD  ")
+            print(f"{status}{r['op'] or '?':6} {r['entry']}")
+        print(f"{len(rows)} kernel(s) in {cache_dir()}" +
+              (f", {bad} failed verification (they will be rebuilt, never loaded)" if bad else ""))
+    return 1 if bad else 0

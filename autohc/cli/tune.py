@@ -1,0 +1,100 @@
+"""`autohc tune`: GEMM problems (--shape, --model) and operator kernels (--op)."""
+from __future__ import annotations
+
+import json
+import sys
+
+
+def cmd_tune(args, parser) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from ..bench.peak import fma_peak_gflops
+    from ..hw import cpu
+    from ..kernels.gemm.problem import GemmProblem, dit_problems
+    from ..tune import registry
+    from ..tune.result import TuneResult
+    if args.timeout <= 0:
+        parser.error("--timeout must be > 0")
+    if args.storage is not None:
+        from ..tune import StorageError, open_storage
+        try:
+            open_storage(args.storage)          # a bad URL: exit 2 before anything is written
+        except StorageError as e:
+            parser.error(str(e))
+    threads = args.threads or cpu.detect().cores
+    if args.op:
+        return _tune_ops(args, threads)
+    if args.model:
+        problems = dit_problems(args.model, max(1, args.m // 256))
+    else:
+        k, n = args.shape
+        layouts = ["NT", "NN", "TN"] if args.layout == "all" else [args.layout]
+        problems = [GemmProblem(f"{k}x{n}", lay, args.m, k, n) for lay in layouts]
+    if args.layout != "all" and args.model:
+        problems = [p for p in problems if p.layout == args.layout]
+    console = Console(stderr=True)
+    results = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[best]}"),
+                  TimeElapsedColumn(), console=console, transient=True) as progress:
+        for p in problems:
+            hit = None if args.force else registry.lookup("gemm", p.layout, p.K, p.N, p.M, threads,
+                                                          exact=True)
+            if hit and hit[1].get("M") == p.M and hit[0].isa == cpu.best_isa():
+                r = TuneResult.from_entry(p, threads, *hit)      # no torch, no optuna
+                results.append(r)
+                if args.json:
+                    print(json.dumps(r.to_json()), flush=True)
+                continue
+            from ..tune import tune_problem
+            task = progress.add_task(f"{p.name} {p.layout} M={p.M}", total=args.trials, best="")
+
+            def on_trial(study, trial, task=task):
+                try:
+                    best = f"best {study.best_value:.1f} GFLOP/s"
+                except ValueError:
+                    best = ""
+                progress.update(task, completed=len(study.trials), best=best)
+            r = tune_problem(p, threads, trials=args.trials, timeout=args.timeout,
+                             storage=args.storage, seed=args.seed, force=args.force,
+                             progress=on_trial)
+            progress.update(task, completed=args.trials)
+            results.append(r)
+            if args.json:
+                print(json.dumps(r.to_json()), flush=True)
+    if args.json:
+        return 0
+    peak = fma_peak_gflops(cpu.best_isa()) * threads
+    t = Table(title=f"tuned GEMMs, {threads} thread(s), {cpu.best_isa()}")
+    for col in ("GEMM", "layout", "M", "K", "N", "MRxNR", "KC/MC/NC", "JCxICxJR ways", "depth",
+                "GFLOP/s", "% peak", "torch", "x torch", "trials", "source"):
+        t.add_column(col, justify="left" if col in ("GEMM", "layout", "source") else "right")
+    for r in results:
+        q, p = r.params, r.problem
+        t.add_row(p.name, p.layout, str(p.M), str(p.K), str(p.N), f"{q.mr}x{q.nr}",
+                  f"{q.kc}/{q.mc}/{q.nc}", f"{q.jc_ways}x{q.ic_ways}x{q.jr_ways}", str(q.depth),
+                  f"{r.gflops:.1f}", f"{100 * r.gflops / peak:.0f}%", f"{r.torch_gflops:.1f}",
+                  f"{r.speedup_vs_torch:.2f}", str(r.trials),
+                  "registry" if r.from_registry else "tuned")
+    Console(width=max(Console().width, 150)).print(t)
+    return 0
+
+
+def _tune_ops(args, threads: int) -> int:
+    from ..tune.ops import OP_KERNELS, tune_op
+    names = list(OP_KERNELS) if args.op == ["all"] else args.op
+    unknown = [n for n in names if n not in OP_KERNELS]
+    if unknown:
+        raise ValueError(f"unknown op {unknown}; one of {', '.join(OP_KERNELS)} or all")
+    say = None if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
+    for name in names:
+        r = tune_op(name, threads, images=args.images, timeout=args.timeout, seed=args.seed, progress=say)
+        if args.json:
+            print(json.dumps(r))
+        else:
+            knobs = " ".join(f"{k} {v}" for k, v in r["params"].items() if k != "isa")
+            print(f"{name}: {knobs} ({r['params']['isa']}), {r['ms']:.2f} ms, "
+                  f"torch {r['torch_ms']:.2f} ms, {r['speedup_vs_torch']:.2f}x, {r['trials']} trials "
+                  f"-> registry")
+    return 0
