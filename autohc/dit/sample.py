@@ -43,8 +43,9 @@ def generate(model, arch: dict, classes: list[int], *, per_class: int = 8, sampl
     g = torch.Generator().manual_seed(seed)
     total = diffusion.num_timesteps if sampler == "ddpm" else steps
     if progress:
+        from rich.console import Console
         from rich.progress import Progress
-        with Progress(transient=True) as bar:
+        with Progress(transient=True, console=Console(stderr=True)) as bar:
             task = bar.add_task("sampling", total=total)
             x = diffusion.sample(eps_fn, shape, sampler=sampler, steps=steps, generator=g,
                                  clip=arch["images"], progress=lambda: bar.advance(task))

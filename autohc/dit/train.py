@@ -182,6 +182,7 @@ class Trainer:
 
     def run(self, progress: bool = True) -> dict:
         """Train to cfg.steps; returns a summary (steps, seconds, images/s, GFLOP/s, peak RSS)."""
+        from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
         cfg, start = self.cfg, self.step
         if self.cfg.rank == 0:
@@ -189,7 +190,9 @@ class Trainer:
         cols = [TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                 TextColumn("{task.fields[stats]}")]
         t0, smooth = time.perf_counter(), None
-        with Progress(*cols, disable=not progress or cfg.rank != 0, transient=False) as bar:
+        # the bar on stderr: stdout is the summary (--json)
+        with Progress(*cols, disable=not progress or cfg.rank != 0, transient=False,
+                      console=Console(stderr=True)) as bar:
             task = bar.add_task("train", total=cfg.steps, completed=start, stats="")
             while self.step < cfg.steps:
                 loss = self.train_step()
