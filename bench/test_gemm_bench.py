@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import autohc
-from autohc.bench.gemm import set_blas_threads as _set_blas_threads
+from autohc.bench.gemm import set_blas_threads
 from autohc.kernels.gemm.problem import dit_problems
 from autohc.kernels.gemm.kernel import default_kernel_params
 
@@ -23,7 +23,7 @@ PROBLEMS = dit_problems(MODEL)
 
 @pytest.fixture(scope="module", autouse=True)
 def blas_threads():
-    undo = _set_blas_threads(THREADS)
+    undo = set_blas_threads(THREADS)
     yield
     undo()
 
