@@ -118,14 +118,42 @@ def tune_problem(problem: GemmProblem, threads: int = 1, *, trials: int | None =
     complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     if not complete:
         raise RuntimeError(f"tuning {name}: no trial completed (see the study in {store.url})")
-    best = max(complete, key=lambda t: t.value)
-    params = GemmParams.from_dict(best.user_attrs["params"])
-    result = TuneResult(problem, threads, params, best.value, best.user_attrs["torch_gflops"],
-                        trials_done, False, name, time.perf_counter() - t0)
+    params, gflops, torch_gflops, default_gflops = final_race(
+        problem, threads, default_params(isa, threads), complete)
+    result = TuneResult(problem, threads, params, gflops, torch_gflops, trials_done, False, name,
+                        time.perf_counter() - t0, default_gflops=default_gflops)
     registry.record("gemm", problem.layout, problem.K, problem.N, problem.M, threads, params,
                     result.gflops, result.torch_gflops, trials=trials_done, study=name,
-                    storage=_redact(store.url))
+                    storage=_redact(store.url), default_gflops=round(default_gflops, 2))
     return result
+
+
+def final_race(problem: GemmProblem, threads: int, default: GemmParams, complete: list):
+    """(params kept, its GFLOP/s, torch's, the default's): the best FINALISTS trials and the
+    default raced again (pipeline.race); the default stays unless beaten by more than the
+    spread. Figures are the race's, not the search's."""
+    ranked = sorted(complete, key=lambda t: t.value, reverse=True)
+    finalists: dict[str, GemmParams] = {"default": default}
+    for t in ranked:
+        p = GemmParams.from_dict(t.user_attrs["params"])
+        if len(finalists) > pipeline.FINALISTS:
+            break
+        if p not in finalists.values():
+            finalists[f"trial {t.number}"] = p
+    a, b = problem.operands()
+    out = torch.empty(a.shape[0], b.shape[1])
+    for p in finalists.values():
+        get_kernel(p)
+    undo = set_blas_threads(threads)
+    try:
+        times = pipeline.race({k: (lambda p=p: matmul(a, b, out=out, params=p))
+                               for k, p in finalists.items()},
+                              lambda: torch.matmul(a, b, out=out))
+    finally:
+        undo()
+    kept = pipeline.pick(times, "default")
+    gf = {k: problem.flops / t.median / 1e9 for k, t in times.items()}
+    return finalists[kept], gf[kept], gf["baseline"], gf["default"]
 
 
 def _redact(url: str) -> str:

@@ -114,15 +114,33 @@ def tune_op(name: str, threads: int | None = None, *, images: int = 8, repeats: 
         done = [t for t in study.trials if t.number in timings]
         if not done:
             raise RuntimeError(f"tune --op {name}: no candidate passed the correctness check")
-        best = min(done, key=lambda t: t.value)
-        ms, torch_ms = timings[best.number]
-        default = default_eltwise(isa)            # the grid's order is random: find its trial
-        default_ms = next((timings[t.number][0] for t in done
-                           if all(t.params[k] == getattr(default, k) for k in space)), None)
-        entry = registry.record_op("eltwise", kernel, threads, {"isa": isa, **best.params}, ms, torch_ms,
+        # the final race: the best few and the default, again, longer and side by side; the
+        # default is kept unless beaten by more than the spread (tune/pipeline.py)
+        default = default_eltwise(isa)
+        finalists = {"default": {k: getattr(default, k) for k in space}}
+        for t in sorted(done, key=lambda t: t.value):
+            if len(finalists) > pipeline.FINALISTS:
+                break
+            if t.params not in finalists.values():
+                finalists[f"trial {t.number}"] = dict(t.params)
+
+        def run_with(knobs):
+            p = EltwiseParams(isa=isa, **knobs)
+
+            def run():
+                with ops.forced_params(kernel, p):
+                    return mine()
+            return run
+        times = pipeline.race({k: run_with(v) for k, v in finalists.items()}, theirs)
+        kept = pipeline.pick(times, "default")
+        ms, torch_ms = 1e3 * times[kept].median, 1e3 * times["baseline"].median
+        default_ms = 1e3 * times["default"].median
+        params = {"isa": isa, **finalists[kept]}
+        entry = registry.record_op("eltwise", kernel, threads, params, ms, torch_ms,
                                    name=name, shape=shape, trials=len(done),
+                                   default_ms=round(default_ms, 4),
                                    seconds=round(time.perf_counter() - t0, 1))
-        return {"op": name, "kernel": kernel, "threads": threads, "params": {"isa": isa, **best.params},
+        return {"op": name, "kernel": kernel, "threads": threads, "params": params,
                 "ms": ms, "torch_ms": torch_ms, "speedup_vs_torch": torch_ms / ms,
                 "gbps": nbytes / ms / 1e6, "trials": len(done), "default_ms": default_ms,
                 "recorded_at": entry["recorded_at"]}

@@ -5,6 +5,8 @@
 `evaluate` runs one candidate through build, verification and timing against its baseline
 (torch) by the one timing protocol (bench/timing.py); what fails on the way (BuildError,
 KernelError, WrongResult) fails the trial, so a wrong or broken kernel can never be recorded.
+After the search, `race` times the finalists (the best few and the default) again, longer and
+side by side, and `pick` keeps the default unless a finalist beats it by more than the spread.
 """
 from __future__ import annotations
 
@@ -32,6 +34,29 @@ class Measured:
     @property
     def speedup(self) -> float:
         return self.baseline_seconds / self.seconds
+
+
+FINALISTS = 3                   # best trials raced again against the default at the end
+RACE_SAMPLES = 9
+RACE_SAMPLE_S = 0.05            # longer samples than a trial's: the race decides what is kept
+
+
+def race(runs: dict[str, Callable[[], object]], baseline: Callable[[], object], *,
+         samples: int = RACE_SAMPLES, min_sample_s: float = RACE_SAMPLE_S) -> dict[str, timing.Timing]:
+    """The finalists and the baseline (key "baseline") timed again, side by side, by the one
+    protocol with longer samples: a search's best trial is a maximum over noisy measurements."""
+    return timing.interleaved({**runs, "baseline": baseline}, samples=samples,
+                              min_sample_s=min_sample_s)
+
+
+def pick(times: dict[str, timing.Timing], default: str) -> str:
+    """The fastest finalist, unless it beats the default by no more than the measured spread
+    (the larger of the two): then the default is kept."""
+    best = min((k for k in times if k != "baseline"), key=lambda k: times[k].median)
+    if best == default or default not in times:
+        return best
+    d, b = times[default], times[best]
+    return best if b.median < d.median * (1 - max(d.spread, b.spread)) else default
 
 
 def evaluate(c: Candidate, baseline: Callable[[], object], *, samples: int = 5,

@@ -18,6 +18,7 @@ class TuneResult:
     from_registry: bool = False
     study: str = ""
     seconds: float = 0.0
+    default_gflops: float | None = None     # the default's figure in the final race
     extra: dict = field(default_factory=dict)
 
     @property
@@ -31,10 +32,12 @@ class TuneResult:
                 "gflops": round(self.gflops, 2), "torch_gflops": round(self.torch_gflops, 2),
                 "speedup_vs_torch": round(self.speedup_vs_torch, 3), "trials": self.trials,
                 "from_registry": self.from_registry, "study": self.study,
-                "seconds": round(self.seconds, 2)}
+                "seconds": round(self.seconds, 2),
+                "default_gflops": None if self.default_gflops is None else round(self.default_gflops, 2)}
 
     @classmethod
     def from_entry(cls, problem: GemmProblem, threads: int, params: GemmParams,
                       entry: dict, seconds: float = 0.0) -> "TuneResult":
         return cls(problem, threads, params, entry["gflops"], entry["torch_gflops"],
-                   entry.get("trials", 0), True, entry.get("study", ""), seconds)
+                   entry.get("trials", 0), True, entry.get("study", ""), seconds,
+                   entry.get("default_gflops"))
