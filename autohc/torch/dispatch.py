@@ -71,37 +71,32 @@ def _real(*scalars) -> bool:
     return not any(isinstance(s, complex) for s in scalars)
 
 
-def _try(op: str, run):
-    """run() on autohc, or None if its kernel cannot be built or started here."""
-    try:
-        out = run()
-        stats["autohc"] += 1
-        return out
-    except fallback.FAILURES as e:
-        fallback.report(e, op)
-        return None
+def _autohc(out: torch.Tensor) -> torch.Tensor:
+    stats["autohc"] += 1
+    return out
+
+
+def _aten(out: torch.Tensor) -> torch.Tensor:
+    stats["aten"] += 1
+    return out
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    if _serve(a, b):
-        out = _try("mm", lambda: gemm_into(a, b, fresh_empty(a.shape[0], b.shape[1]), 1.0, 0.0,
-                                           kernel_threads()))
-        if out is not None:
-            return out
-    stats["aten"] += 1
-    return torch.ops.aten.mm.out(a, b, out=a.new_empty(0))
+    return fallback.kernel_or(
+        lambda: _autohc(gemm_into(a, b, fresh_empty(a.shape[0], b.shape[1]), 1.0, 0.0,
+                                  kernel_threads())),
+        lambda: _aten(torch.ops.aten.mm.out(a, b, out=a.new_empty(0))),
+        "mm", served=_serve(a, b))
 
 
 def _addmm(inp: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
-    if _serve(m1, m2) and _ok(inp) and _real(beta, alpha):
-        start = _scaled_start(inp, (m1.shape[0], m2.shape[1]), beta)
-        if start is not None:
-            out = _try("addmm", lambda: gemm_into(m1, m2, start, float(alpha), float(beta),
-                                                  kernel_threads()))
-            if out is not None:
-                return out
-    stats["aten"] += 1
-    return torch.ops.aten.addmm.out(inp, m1, m2, beta=beta, alpha=alpha, out=m1.new_empty(0))
+    start = (_scaled_start(inp, (m1.shape[0], m2.shape[1]), beta)
+             if _serve(m1, m2) and _ok(inp) and _real(beta, alpha) else None)
+    return fallback.kernel_or(
+        lambda: _autohc(gemm_into(m1, m2, start, float(alpha), float(beta), kernel_threads())),
+        lambda: _aten(torch.ops.aten.addmm.out(inp, m1, m2, beta=beta, alpha=alpha,
+                                               out=m1.new_empty(0))),
+        "addmm", served=start is not None)
 
 
 def _batched(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -110,25 +105,21 @@ def _batched(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    if _batched(a, b):
-        out = _try("bmm", lambda: bmm_into(a, b, fresh_empty(a.shape[0], a.shape[1], b.shape[2]),
-                                           1.0, 0.0, kernel_threads()))
-        if out is not None:
-            return out
-    stats["aten"] += 1
-    return torch.ops.aten.bmm.out(a, b, out=a.new_empty(0))
+    return fallback.kernel_or(
+        lambda: _autohc(bmm_into(a, b, fresh_empty(a.shape[0], a.shape[1], b.shape[2]), 1.0, 0.0,
+                                 kernel_threads())),
+        lambda: _aten(torch.ops.aten.bmm.out(a, b, out=a.new_empty(0))),
+        "bmm", served=_batched(a, b))
 
 
 def _baddbmm(inp, b1, b2, *, beta=1, alpha=1):
-    if _batched(b1, b2) and _ok(inp) and _real(beta, alpha):
-        start = _scaled_start(inp, (b1.shape[0], b1.shape[1], b2.shape[2]), beta)
-        if start is not None:
-            out = _try("baddbmm", lambda: bmm_into(b1, b2, start, float(alpha), float(beta),
-                                                   kernel_threads()))
-            if out is not None:
-                return out
-    stats["aten"] += 1
-    return torch.ops.aten.baddbmm.out(inp, b1, b2, beta=beta, alpha=alpha, out=b1.new_empty(0))
+    start = (_scaled_start(inp, (b1.shape[0], b1.shape[1], b2.shape[2]), beta)
+             if _batched(b1, b2) and _ok(inp) and _real(beta, alpha) else None)
+    return fallback.kernel_or(
+        lambda: _autohc(bmm_into(b1, b2, start, float(alpha), float(beta), kernel_threads())),
+        lambda: _aten(torch.ops.aten.baddbmm.out(inp, b1, b2, beta=beta, alpha=alpha,
+                                                 out=b1.new_empty(0))),
+        "baddbmm", served=start is not None)
 
 
 def _positive(name: str, v) -> None:

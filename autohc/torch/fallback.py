@@ -15,14 +15,12 @@ from ..kernels.gemm.kernel import KernelError
 FAILURES = (BuildError, KernelError, OSError, ImportError)
 _seen: set[str] = set()
 _lock = threading.Lock()
-stats = {"fallbacks": 0}
 
 
 def report(error: BaseException, what: str) -> None:
-    """Count one fallback; warn the first time this cause is seen in the process."""
+    """Warn the first time this cause is seen in the process."""
     cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
     with _lock:
-        stats["fallbacks"] += 1
         if cause in _seen:
             return
         _seen.add(cause)
@@ -30,10 +28,12 @@ def report(error: BaseException, what: str) -> None:
                   "results are the same, only slower", RuntimeWarning, stacklevel=3)
 
 
-def kernel_or(aten, kernel, what: str):
-    """kernel(), or aten() if the kernel cannot run here (reported once per cause)."""
-    try:
-        return kernel()
-    except FAILURES as e:
-        report(e, what)
-        return aten()
+def kernel_or(kernel, aten, what: str, served: bool = True):
+    """kernel() where autohc serves the call, else aten(); aten() too if the kernel cannot
+    run here (reported once per cause)."""
+    if served:
+        try:
+            return kernel()
+        except FAILURES as e:
+            report(e, what)
+    return aten()

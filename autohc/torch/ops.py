@@ -62,10 +62,8 @@ def params_for(kernel: str) -> EltwiseParams:
 
 
 def kernel_fn(kernel: str, params: EltwiseParams | None = None):
-    """(ffi, the kernel's exported team function <prefix>_<kernel>_par, params)."""
-    p = params or params_for(kernel)
-    ffi, fn, _ = _functions(kernel, p)
-    return ffi, fn, p
+    """(ffi, the kernel's exported team function <prefix>_<kernel>_par)."""
+    return _functions(kernel, params or params_for(kernel))[:2]
 
 
 def split_threads(kernel: str, elems: int, params: EltwiseParams | None = None) -> int:
@@ -87,22 +85,11 @@ def _ptr(ffi, t):
 
 def _run(name: str, *tensors: torch.Tensor, params: EltwiseParams | None = None) -> torch.Tensor:
     """out = f(*tensors) on contiguous float32 CPU tensors of one shape (element-wise kernels)."""
-    ffi, fn, _ = kernel_fn(name, params)
+    ffi, fn = kernel_fn(name, params)
     ins = [t.contiguous() for t in tensors]
     out = _fresh_like(ins[-1])
     fn(*[_ptr(ffi, t) for t in ins], _ptr(ffi, out), out.numel(), kernel_threads())
     return out
-
-
-def _kernel_or(kernel, aten, what: str, served: bool = True):
-    """kernel() where autohc serves the call, else (or if its kernel cannot run here: one
-    warning per cause, autohc/torch/fallback.py) aten()."""
-    if served:
-        try:
-            return kernel()
-        except fallback.FAILURES as e:
-            fallback.report(e, what)
-    return aten()
 
 
 def _fast(*ts: torch.Tensor) -> bool:
@@ -115,7 +102,7 @@ def _fast(*ts: torch.Tensor) -> bool:
 @torch.library.custom_op("autohc::gelu_tanh", mutates_args=())
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """GELU with the tanh approximation (as F.gelu(x, approximate="tanh"))."""
-    return _kernel_or(
+    return fallback.kernel_or(
         lambda: _run("gelu_tanh_fwd", x),
         lambda: torch.nn.functional.gelu(x, approximate="tanh"),
         "gelu_tanh", served=_fast(x))
@@ -123,7 +110,7 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("autohc::gelu_tanh_backward", mutates_args=())
 def gelu_tanh_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return _kernel_or(
+    return fallback.kernel_or(
         lambda: _run("gelu_tanh_bwd", grad, x),
         lambda: torch.ops.aten.gelu_backward(grad, x, approximate="tanh"),
         "gelu_tanh_backward", served=_fast(grad, x))
@@ -132,7 +119,7 @@ def gelu_tanh_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("autohc::silu", mutates_args=())
 def silu(x: torch.Tensor) -> torch.Tensor:
     """SiLU x * sigmoid(x) (as F.silu)."""
-    return _kernel_or(
+    return fallback.kernel_or(
         lambda: _run("silu_fwd", x),
         lambda: torch.nn.functional.silu(x),
         "silu", served=_fast(x))
@@ -140,7 +127,7 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("autohc::silu_backward", mutates_args=())
 def silu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return _kernel_or(
+    return fallback.kernel_or(
         lambda: _run("silu_bwd", grad, x),
         lambda: torch.ops.aten.silu_backward(grad, x),
         "silu_backward", served=_fast(grad, x))
@@ -197,7 +184,7 @@ def _ln_mod(x: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | N
 
 def _ln_fwd_kernel(xc, sc, sh, rows: int, D: int, T: int, eps: float, plus_one: int):
     """ln_mod_fwd over `rows` rows of D (contiguous float32); scale/shift per T rows."""
-    ffi, fn, _ = kernel_fn("ln_mod_fwd")
+    ffi, fn = kernel_fn("ln_mod_fwd")
     y = _fresh_like(xc)
     mean = torch.empty(rows)
     rstd = torch.empty(rows)
@@ -241,7 +228,7 @@ def _ln_bwd_kernel(dyc, xc, sc, mean, rstd, samples: int, T: int, D: int, sstrid
     """ln_mod_bwd over `samples` blocks of T rows (the last may be short) of D, contiguous
     float32; the samples are split over the team. Returns dx and the per-sample dscale /
     dshift (samples x D, or None where not wanted)."""
-    ffi, fn, _ = kernel_fn("ln_mod_bwd")
+    ffi, fn = kernel_fn("ln_mod_bwd")
     rows = xc.numel() // D
     dx = _fresh_like(xc)
     dscale = torch.empty(samples, D) if want_scale else None
@@ -291,7 +278,7 @@ def layernorm_modulate(x: torch.Tensor, scale: torch.Tensor | None = None,
 
 def _rows_call(name: str, *tensors, extra=(), out_like=None):
     """Run a row kernel `name(*ptrs, out, rows, *extra)` over all rows, split over the team."""
-    ffi, fn, _ = kernel_fn(name)
+    ffi, fn = kernel_fn(name)
     ins = [t.contiguous() for t in tensors]
     out = _fresh_like(out_like if out_like is not None else ins[0])
     rows = out.numel() // out.shape[-1] if out.dim() else 1
@@ -302,7 +289,7 @@ def _rows_call(name: str, *tensors, extra=(), out_like=None):
 @torch.library.custom_op("autohc::softmax", mutates_args=())
 def softmax(x: torch.Tensor) -> torch.Tensor:
     """Softmax over the last dimension (as torch.softmax(x, -1))."""
-    return _kernel_or(
+    return fallback.kernel_or(
         lambda: _rows_call("softmax_fwd", x, extra=(x.shape[-1],)),
         lambda: torch.softmax(x, -1),
         "softmax", served=_fast(x) and x.dim() > 0 and x.numel() > 0)
@@ -310,7 +297,7 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("autohc::softmax_backward", mutates_args=())
 def softmax_backward(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return _kernel_or(
+    return fallback.kernel_or(
         lambda: _rows_call("softmax_bwd", grad, y, extra=(y.shape[-1],)),
         lambda: y * (grad - (grad * y).sum(-1, keepdim=True)),
         "softmax_backward", served=_fast(grad, y) and y.dim() > 0 and y.numel() > 0)
@@ -325,7 +312,7 @@ softmax.register_autograd(lambda ctx, g: softmax_backward(g, ctx.saved_tensors[0
 @torch.library.custom_op("autohc::gated_residual", mutates_args=())
 def _gated(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     B, T, D = x.shape
-    return _kernel_or(
+    return fallback.kernel_or(
         lambda: _rows_call("gated_residual", x, y, gate, extra=(D, T), out_like=x),
         lambda: x + gate[:, None, :] * y,
         "gated", served=_fast(x, y) and _fast(gate) and x.numel() > 0)
@@ -372,14 +359,14 @@ def _dense(*ts: torch.Tensor) -> bool:
 
 
 def aten_gelu(x, *, approximate="none"):
-    return _kernel_or(
+    return fallback.kernel_or(
         lambda: _run("gelu_tanh_fwd", x),
         lambda: torch.ops.aten.gelu.out(x, approximate=approximate, out=x.new_empty(0)),
         "gelu", served=approximate == "tanh" and _dense(x))
 
 
 def aten_gelu_backward(grad, x, *, approximate="none"):
-    return _kernel_or(
+    return fallback.kernel_or(
         lambda: _run("gelu_tanh_bwd", grad, x),
         lambda: torch.ops.aten.gelu_backward.grad_input(grad, x, approximate=approximate,
                                                         grad_input=x.new_empty(0)),
@@ -387,28 +374,28 @@ def aten_gelu_backward(grad, x, *, approximate="none"):
 
 
 def aten_silu(x):
-    return _kernel_or(
+    return fallback.kernel_or(
         lambda: _run("silu_fwd", x),
         lambda: torch.ops.aten.silu.out(x, out=x.new_empty(0)),
         "silu", served=_dense(x))
 
 
 def aten_silu_backward(grad, x):
-    return _kernel_or(
+    return fallback.kernel_or(
         lambda: _run("silu_bwd", grad, x),
         lambda: torch.ops.aten.silu_backward.grad_input(grad, x, grad_input=x.new_empty(0)),
         "silu_backward", served=_dense(grad, x))
 
 
 def aten_softmax(x, dim, half_to_float):
-    return _kernel_or(
+    return fallback.kernel_or(
         lambda: _rows_call("softmax_fwd", x, extra=(x.shape[-1],)),
         lambda: torch.ops.aten._softmax.out(x, dim, half_to_float, out=x.new_empty(0)),
         "softmax", served=not half_to_float and x.dim() > 0 and dim in (-1, x.dim() - 1) and _dense(x))
 
 
 def aten_softmax_backward(grad, out, dim, input_dtype):
-    return _kernel_or(
+    return fallback.kernel_or(
         lambda: _rows_call("softmax_bwd", grad, out, extra=(out.shape[-1],)),
         lambda: torch.ops.aten._softmax_backward_data.out(grad, out, dim, input_dtype,
                                                           grad_input=grad.new_empty(0)),

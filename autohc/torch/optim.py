@@ -75,7 +75,7 @@ class AdamW(torch.optim.Optimizer):
 def _fused_step(tensors, lr, b1, b2, eps, wd, bc1, bc2):
     """One AdamW step over [(param, grad, exp_avg, exp_avg_sq), ...]: their concatenation is
     split evenly over the team (whole cache lines each), one kernel call for the lot."""
-    ffi, fn, _ = ops.kernel_fn("adamw")
+    ffi, fn = ops.kernel_fn("adamw")
     cols = [ffi.new("float *[]", [ffi.cast("float *", ts[i].data_ptr()) for ts in tensors])
             for i in range(4)]
     sizes = [ts[0].numel() for ts in tensors]

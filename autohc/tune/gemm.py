@@ -15,6 +15,7 @@ import warnings
 
 import torch
 
+from ..bench import timing
 from ..bench.gemm import set_blas_threads
 from ..build import BuildError, cache_dir
 from ..hw import cpu
@@ -55,18 +56,30 @@ def study_name(p: GemmProblem, threads: int, isa: str) -> str:
             f"{cpu.detect().fingerprint}")
 
 
-def measure(problem: GemmProblem, params: GemmParams, threads: int,
-            samples: int = 5) -> pipeline.Measured:
-    """One candidate through the pipeline's timing: autohc vs torch.matmul, interleaved."""
+def _against_torch(problem: GemmProblem, candidates: dict[str, GemmParams], threads: int,
+                   **race_kw) -> dict:
+    """Each candidate's matmul and torch.matmul ("baseline") on the problem's operands, timed
+    side by side by the one protocol (pipeline.race) at `threads` for every library."""
     a, b = problem.operands()
     out = torch.empty(a.shape[0], b.shape[1])
-    cand = pipeline.Candidate(params, lambda: get_kernel(params), lambda: None,
-                              lambda: matmul(a, b, out=out, params=params))
+    for p in candidates.values():
+        get_kernel(p)
     undo = set_blas_threads(threads)
     try:
-        return pipeline.evaluate(cand, lambda: torch.matmul(a, b, out=out), samples=samples)
+        return pipeline.race({k: (lambda p=p: matmul(a, b, out=out, params=p))
+                              for k, p in candidates.items()},
+                             lambda: torch.matmul(a, b, out=out), **race_kw)
     finally:
         undo()
+
+
+def measure(problem: GemmProblem, params: GemmParams, threads: int,
+            samples: int = 5) -> pipeline.Measured:
+    """One trial's timing: autohc vs torch.matmul, interleaved, samples of the usual length."""
+    t = _against_torch(problem, {"candidate": params}, threads, samples=samples,
+                       min_sample_s=timing.MIN_SAMPLE_S)
+    return pipeline.Measured(params, t["candidate"].median, t["baseline"].median,
+                             t["candidate"].spread)
 
 
 def tune_problem(problem: GemmProblem, threads: int = 1, *, trials: int | None = 40,
@@ -140,17 +153,7 @@ def final_race(problem: GemmProblem, threads: int, default: GemmParams, complete
             break
         if p not in finalists.values():
             finalists[f"trial {t.number}"] = p
-    a, b = problem.operands()
-    out = torch.empty(a.shape[0], b.shape[1])
-    for p in finalists.values():
-        get_kernel(p)
-    undo = set_blas_threads(threads)
-    try:
-        times = pipeline.race({k: (lambda p=p: matmul(a, b, out=out, params=p))
-                               for k, p in finalists.items()},
-                              lambda: torch.matmul(a, b, out=out))
-    finally:
-        undo()
+    times = _against_torch(problem, finalists, threads)
     kept = pipeline.pick(times, "default")
     gf = {k: problem.flops / t.median / 1e9 for k, t in times.items()}
     return finalists[kept], gf[kept], gf["baseline"], gf["default"]

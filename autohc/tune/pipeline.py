@@ -5,7 +5,8 @@
 `evaluate` runs one candidate through build, verification and timing against its baseline
 (torch) by the one timing protocol (bench/timing.py); what fails on the way (BuildError,
 KernelError, WrongResult) fails the trial, so a wrong or broken kernel can never be recorded.
-After the search, `race` times the finalists (the best few and the default) again, longer and
+The operator tuner calls it; the GEMM tuner takes the same three steps in its objective
+(get_kernel, GemmVerifier, then `race` at the tuned thread count). After the search, `race` times the finalists (the best few and the default) again, longer and
 side by side, and `pick` keeps the default unless a finalist beats it by more than the spread.
 """
 from __future__ import annotations
