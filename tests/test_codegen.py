@@ -74,7 +74,7 @@ def test_register_tile_is_fully_unrolled():
     src = render_gemm(p)
     nv = p.nr // p.vl
     # one FMA per accumulator per unrolled k step, plus the remainder loop
-    assert src.count("V_FMA(ai") == p.mr * nv * (p.k_unroll + 1)
+    assert src.count("V_FMA_ACC(c") == p.mr * nv * (p.k_unroll + 1)
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")

@@ -17,6 +17,7 @@ from ..kernels.gemm.kernel import default_kernel_params, get_kernel
 from ..kernels.gemm.matmul import matmul, tuned_params
 from ..kernels.gemm.params import GemmParams
 from ..kernels.gemm.problem import GemmProblem, dit_problems
+from ..tune import first_use, registry
 from . import timing
 
 
@@ -47,9 +48,11 @@ class GemmRow:
     pct_peak: float
     speedup_vs_torch: float
     speedup_vs_numpy: float
-    config: str = "default"         # default | tuned (from the registry) | given
+    config: str = "default"         # default | tuned (registry) | first-use (tuned just now) | given
     spread_pct: float = 0.0         # autohc's spread (IQR / median, %)
     torch_spread_pct: float = 0.0
+    tuning_s: float = 0.0           # first-use tuning of this problem (compiles + race), not timed
+    numpy_spread_pct: float = float("nan")
 
 
 def bench_problem(p: GemmProblem, threads: int, *, repeats: int = 7, params: GemmParams | None = None,
@@ -62,9 +65,15 @@ def bench_problem(p: GemmProblem, threads: int, *, repeats: int = 7, params: Gem
     N = b.shape[1]
     out = torch.empty(M, N)
     an, bn, on = a.numpy(), b.numpy(), np.empty((M, N), np.float32)
+    tuning_s = 0.0
     if params is None:      # what autohc.matmul runs: the registry's config, else the default
+        if first_use.enabled() and registry.lookup("gemm", p.layout, p.K, p.N, p.M, threads) is None:
+            t = first_use.finish(p.layout, p.M, p.K, p.N, threads)     # as a first call would
+            tuning_s = t.build_s + t.race_s if t is not None else 0.0
         run_params = tuned_params(M, K, N, a.stride(), b.stride(), threads)
-        config = "default" if run_params == default_kernel_params(threads) else "tuned"
+        hit = registry.lookup("gemm", p.layout, p.K, p.N, p.M, threads)
+        config = ("default" if run_params == default_kernel_params(threads) else
+                  "first-use" if tuning_s and hit and hit[1].get("source") == "first-use" else "tuned")
     else:
         run_params, config = params, "given"
     get_kernel(run_params)
@@ -87,7 +96,8 @@ def bench_problem(p: GemmProblem, threads: int, *, repeats: int = 7, params: Gem
                    round(g["torch"], 1), round(g["numpy"], 1),
                    round(100 * g["autohc"] / peak, 1) if peak else float("nan"),
                    round(g["autohc"] / g["torch"], 3), round(g["autohc"] / g["numpy"], 3), config,
-                   times["autohc"].spread_pct, times["torch"].spread_pct)
+                   times["autohc"].spread_pct, times["torch"].spread_pct, round(tuning_s, 2),
+                   times["numpy"].spread_pct if "numpy" in times else float("nan"))
 
 
 def geomean(xs) -> float:
@@ -96,16 +106,23 @@ def geomean(xs) -> float:
 
 
 def bench_gemm(model: str = "dit-xl", threads: int = 1, *, repeats: int = 7, progress=None,
-               images: int = 8) -> dict:
-    """All DiT training GEMMs of `model` at `threads`; the JSON object of `autohc bench gemm`."""
+               images: int = 8, first_use_tuning: bool = True) -> dict:
+    """All DiT training GEMMs of `model` at `threads`; the JSON object of `autohc bench gemm`.
+    With first-use tuning (as install() has it), a problem the registry lacks is tuned first,
+    that time reported apart (`tuning_s`), then what matmul runs after it is timed."""
     from .peak import fma_peak_gflops
     isa = cpu.best_isa()
     peak = fma_peak_gflops(isa)
     rows = []
-    for p in dit_problems(model, images):
-        rows.append(bench_problem(p, threads, repeats=repeats, peak_per_core=peak))
-        if progress:
-            progress(rows[-1])
+    was = first_use.enabled()
+    first_use.enable(first_use_tuning)
+    try:
+        for p in dit_problems(model, images):
+            rows.append(bench_problem(p, threads, repeats=repeats, peak_per_core=peak))
+            if progress:
+                progress(rows[-1])
+    finally:
+        first_use.enable(was)
     return {
         "model": model, "threads": threads, "isa": isa, "cpu": cpu.detect().model,
         "fingerprint": cpu.detect().fingerprint, "peak_gflops_per_core": round(peak, 1),
@@ -113,4 +130,6 @@ def bench_gemm(model: str = "dit-xl", threads: int = 1, *, repeats: int = 7, pro
         "rows": [asdict(r) for r in rows],
         "geomean_speedup_vs_torch": round(geomean(r.speedup_vs_torch for r in rows), 3),
         "geomean_speedup_vs_numpy": round(geomean(r.speedup_vs_numpy for r in rows), 3),
+        "first_use_tuning": first_use_tuning and not first_use.env_off(),
+        "first_use_tuning_s": round(sum(r.tuning_s for r in rows), 2),
     }

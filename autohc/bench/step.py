@@ -20,6 +20,7 @@ from ..dit.diffusion import GaussianDiffusion
 from ..dit.model import config
 from ..dit.train import autohc_ops, build_model, make_optimizer, peak_rss_gb
 from ..torch import dispatch as override
+from ..tune import first_use
 from . import timing
 
 
@@ -40,6 +41,7 @@ class _Mode:
         self.rng = torch.get_rng_state()        # the label-dropout stream, kept per mode
         self.batch, self.size = batch, image_size
         self.times, self.losses = [], []
+        self.tuning_s = 0.0                     # first-use tuning finished between steps
 
     def step(self) -> None:
         torch.set_rng_state(self.rng)
@@ -56,13 +58,15 @@ class _Mode:
             loss.backward()
             self.opt.step()
             self.times.append(time.perf_counter() - t0)
+            if self.name == "autohc" and first_use.enabled():
+                self.tuning_s += first_use.finish_pending()     # untimed: reported apart
         self.losses.append(loss.item())
         self.rng = torch.get_rng_state()
 
 
 def bench_step(model: str, batch: int, *, image_size: int = 32, steps: int = 10, warmup: int = 2,
                modes=("stock", "compiled", "autohc"), threads: int | None = None,
-               torch_threads: int | None = None, progress=None) -> dict:
+               torch_threads: int | None = None, first_use_tuning: bool = True, progress=None) -> dict:
     if warmup >= steps:
         raise ValueError(f"--warmup {warmup} must be below --steps {steps}")
     if threads:
@@ -71,7 +75,9 @@ def bench_step(model: str, batch: int, *, image_size: int = 32, steps: int = 10,
     was_installed = override.is_installed()
     override.uninstall()                # each mode sets its own kernels
     try:
-        kw = {} if torch_threads is None else {"torch_threads": torch_threads}
+        kw = {"first_use_tuning": first_use_tuning}
+        if torch_threads is not None:
+            kw["torch_threads"] = torch_threads
         return _bench(model, batch, image_size, steps, warmup, modes, say, kw)
     finally:
         if was_installed:
@@ -116,6 +122,7 @@ def _bench(model, batch, image_size, steps, warmup, modes, say, install_kw) -> d
            "speedup_vs_stock": med["stock"] / med["autohc"] if {"stock", "autohc"} <= med.keys() else None,
            "speedup_vs_compiled": med["compiled"] / med["autohc"] if {"compiled", "autohc"} <= med.keys() else None,
            "spread_pct": {name: t.spread_pct for name, t in summary.items()},
+           "first_use_tuning_s": round(sum(r.tuning_s for r in runs), 2),
            "max_loss_rel_diff": diff, "peak_rss_gb": peak_rss_gb(), "losses": losses,
            "step_times": {r.name: r.times for r in runs}}
     return out

@@ -137,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true",
                    help="print JSON (one object per thread count) instead of tables")
     g.add_argument("--markdown", action="store_true", help="print Markdown tables (as in the README)")
+    g.add_argument("--no-first-use-tuning", action="store_true",
+                   help="time the default kernel where the registry has no entry (default: tune "
+                        "such a problem first, as install() does on first use, and report that "
+                        "time apart; config column: first-use)")
     g.add_argument("--contended", action="store_true",
                    help="keep the libraries' spinning thread pools (default: all three wait "
                         "passively, via OMP_WAIT_POLICY=PASSIVE and OPENBLAS_THREAD_TIMEOUT=4, "
@@ -145,7 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
         "gate", help="CI perf-regression gate on autohc/torch speed ratios",
         description="Measures autohc/torch speed ratios (interleaved, medians) on the DiT-XL/2 "
                     "forward GEMMs at 1 and 2 threads and fails (exit 1) when one falls more than "
-                    "--margin below the committed baseline for this CPU (bench/baseline.json).",
+                    "--margin below the committed baseline for this CPU (bench/baseline.json). On a "
+                    "CPU without a baseline it checks a floor instead: autohc no slower than the "
+                    "faster of torch (MKL) and numpy (OpenBLAS) by more than the measured spread.",
         epilog="refresh the baseline after an intended change:  autohc bench gate --update")
     gate.add_argument("--baseline", default=None, help="baseline file (default: bench/baseline.json)")
     gate.add_argument("--margin", type=float, default=None,

@@ -39,7 +39,7 @@ def cmd_bench_gemm(args) -> int:
         for threads in args.threads:
             task = progress.add_task(f"{args.model} GEMMs, {threads} thread(s)", total=n)
             r = bench_gemm(args.model, threads, repeats=args.repeats, images=args.images,
-                           progress=lambda _row, t=task: progress.advance(t))
+                           first_use_tuning=not args.no_first_use_tuning, progress=lambda _row, t=task: progress.advance(t))
             r["wait_policy"] = "contended" if args.contended else "passive"
             results.append(r)
     if args.json:
@@ -64,7 +64,9 @@ def cmd_bench_gemm(args) -> int:
                       f"{row['torch_gflops']:.1f}", f"{row['numpy_gflops']:.1f}",
                       f"{row['speedup_vs_torch']:.2f}", f"{row['speedup_vs_numpy']:.2f}")
         t.caption = (f"geomean: {r['geomean_speedup_vs_torch']:.2f}x torch, "
-                     f"{r['geomean_speedup_vs_numpy']:.2f}x numpy")
+                     f"{r['geomean_speedup_vs_numpy']:.2f}x numpy"
+                     + (f"; first-use tuning {r['first_use_tuning_s']:.1f} s before timing"
+                        if r.get("first_use_tuning_s") else ""))
         out.print(t)
     return 0
 

@@ -49,6 +49,9 @@ def add_parsers(sub, bsub) -> None:
     t.add_argument("--out", default="runs/dit", help="run folder (default: runs/dit)")
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
     t.add_argument("--no-autohc", action="store_true", help="stock torch kernels and torch.optim.AdamW")
+    t.add_argument("--no-first-use-tuning", action="store_true",
+                   help="do not tune GEMM problems the registry lacks on first use (a few seconds "
+                        "each; AUTOHC_FIRST_USE=0 does the same)")
     t.add_argument("--lr", type=positive_float, default=1e-3,
                    help="AdamW learning rate (default: 1e-3; the DiT paper uses 1e-4 for ImageNet)")
     t.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default: 0)")
@@ -116,6 +119,9 @@ def add_parsers(sub, bsub) -> None:
     b.add_argument("--threads", type=positive_int, default=None, help="threads (default: every usable CPU)")
     b.add_argument("--torch-threads", type=positive_int, default=None,
                    help="torch's own threads while autohc is installed (default: install()'s)")
+    b.add_argument("--no-first-use-tuning", action="store_true",
+                   help="run the default GEMM kernels where the registry has no entry (default: "
+                        "tune each new GEMM problem on first use, between steps, timed apart)")
     b.add_argument("--json", action="store_true", help="one JSON object")
 
 
@@ -123,7 +129,9 @@ def _kernels(args):
     """autohc installed for the command, unless --no-autohc."""
     import contextlib
     import autohc
-    return contextlib.nullcontext() if args.no_autohc else autohc.installed()
+    if args.no_autohc:
+        return contextlib.nullcontext()
+    return autohc.installed(first_use_tuning=not getattr(args, "no_first_use_tuning", False))
 
 
 def _fused_ops(args):
@@ -228,7 +236,7 @@ def cmd_bench_step(args) -> int:
     from ..bench.step import bench_step
     r = bench_step(args.model, args.batch, image_size=args.image_size, steps=args.steps,
                    warmup=args.warmup, modes=args.modes, threads=args.threads,
-                   torch_threads=args.torch_threads,
+                   torch_threads=args.torch_threads, first_use_tuning=not args.no_first_use_tuning,
                    progress=lambda m: print(m, file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps(r, indent=2))
@@ -239,6 +247,8 @@ def cmd_bench_step(args) -> int:
     for k in ("speedup_vs_stock", "speedup_vs_compiled"):
         if r.get(k) is not None:
             print(f"  autohc {k.replace('_', ' ')}: {r[k]:.2f}x")
+    if r.get("first_use_tuning_s"):
+        print(f"  first-use tuning between steps (not in the step times): {r['first_use_tuning_s']:.1f} s")
     print(f"  max relative loss difference vs stock over {args.steps} steps: {r['max_loss_rel_diff']:.2e}; "
           f"peak RSS {r['peak_rss_gb']:.2f} GB")
     return 0

@@ -10,12 +10,17 @@ def cmd_info(args) -> int:
     from ..bench.peak import fma_peak_gflops
     from ..build import cache_dir, cache_entries
     from ..hw import cpu
+    from ..kernels import archs
     from ..runtime import plan
     from ..tune import registry
     info = cpu.detect()
     isa = cpu.best_isa(info)
+    table = archs.describe(info)
     data = {
-        "model": info.model, "arch": info.arch, "fingerprint": info.fingerprint, "isa": isa,
+        "model": info.model, "arch": info.arch, "vendor": info.vendor,
+        "family_model": f"{info.family}/{info.model_number}", "fingerprint": info.fingerprint, "isa": isa,
+        "microarch": f"{table['arch']} (configs/{table['arch']}.yaml: {table['title']})",
+        "gemm_default": table["gemm_default"], "gemm_default_source": table["source"],
         "runnable_isas": cpu.runnable_isas(info), "cores": info.cores, "cpus": list(info.cpus),
         "caches": [f"L{c.level} {c.kind} {c.size_bytes // 1024} KiB" for c in info.caches],
         "numa_nodes": [list(n) for n in info.numa_nodes],
@@ -24,13 +29,31 @@ def cmd_info(args) -> int:
         "cache_dir": str(cache_dir()), "cached_kernels": len(cache_entries()),
         "registry": str(registry.registry_path()),
         "registry_entries": len(registry.entries_for_this_cpu()),
+        "first_use_tuned": _first_use_entries(registry),
     }
     if args.json:
         print(json.dumps(data))
     else:
         for k, v in data.items():
-            print(f"{k:>26}: {v}")
+            if k == "first_use_tuned":      # one problem per line
+                print(f"{k:>26}: " + (f"\n{'':>28}".join(v) if v else "none"))
+            else:
+                print(f"{k:>26}: {v}")
     return 0
+
+
+def _first_use_entries(registry) -> list[str]:
+    """Registry entries that first-use tuning recorded: problem, tile and blocks, GFLOP/s."""
+    out = []
+    for key, e in sorted(registry.entries_for_this_cpu("gemm").items()):
+        if e.get("source") != "first-use":
+            continue
+        p = e.get("params", {})
+        kept = "default kept" if e.get("gflops") == e.get("default_gflops") else "candidate won"
+        out.append(f"{key}: {p.get('mr')}x{p.get('nr')} kc {p.get('kc')} mc {p.get('mc')} "
+                   f"nc {p.get('nc')}, {e.get('gflops')} GFLOP/s ({kept}; default "
+                   f"{e.get('default_gflops')})")
+    return out
 
 
 def cmd_export(args) -> int:

@@ -34,6 +34,8 @@ class CpuInfo:
     cpus: tuple[int, ...]                      # logical CPUs this process may run on
     caches: tuple[Cache, ...] = ()
     numa_nodes: tuple[tuple[int, ...], ...] = ()  # CPUs of each node (only usable ones)
+    family: int | None = None                  # x86 "cpu family" (AMD Zen 3/4: 25, Zen 5: 26)
+    model_number: int | None = None            # x86 "model" (Intel Emerald Rapids: 207)
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -92,9 +94,10 @@ def _parse_size(text: str) -> int:
     return int(m.group(1)) * {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}[m.group(2)]
 
 
-def _proc_cpuinfo() -> tuple[str, str, set[str]]:
+def _proc_cpuinfo() -> tuple[str, str, set[str], int | None, int | None]:
     vendor = model = ""
     flags: set[str] = set()
+    family = number = None
     text = _read(Path("/proc/cpuinfo")) or ""
     for line in text.splitlines():
         key, _, val = line.partition(":")
@@ -105,7 +108,11 @@ def _proc_cpuinfo() -> tuple[str, str, set[str]]:
             model = val.strip()
         elif key in ("flags", "features") and not flags:
             flags = set(val.split())
-    return vendor, model, flags
+        elif key == "cpu family" and family is None and val.strip().isdigit():
+            family = int(val)
+        elif key == "model" and number is None and val.strip().isdigit():
+            number = int(val)
+    return vendor, model, flags, family, number
 
 
 def _caches(cpu: int) -> tuple[Cache, ...]:
@@ -131,7 +138,7 @@ def _numa_nodes(usable: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
 
 @functools.lru_cache(maxsize=1)
 def detect() -> CpuInfo:
-    vendor, model, flags = _proc_cpuinfo()
+    vendor, model, flags, family, number = _proc_cpuinfo()
     try:
         usable = tuple(sorted(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
@@ -139,7 +146,7 @@ def detect() -> CpuInfo:
     return CpuInfo(arch=platform.machine(), vendor=vendor, model=model,
                    flags=frozenset(flags), cpus=usable,
                    caches=_caches(usable[0]) if usable else (),
-                   numa_nodes=_numa_nodes(usable))
+                   numa_nodes=_numa_nodes(usable), family=family, model_number=number)
 
 
 def best_isa(info: CpuInfo | None = None) -> str:

@@ -7,17 +7,15 @@ from pathlib import Path
 
 import jinja2
 
+from ..datafiles import data_dir
+
 
 def templates_dir() -> Path:
     """$AUTOHC_TEMPLATES_DIR (template development), else templates/ of a source checkout,
     else the copy installed inside the package."""
     if os.environ.get("AUTOHC_TEMPLATES_DIR"):
         return Path(os.environ["AUTOHC_TEMPLATES_DIR"])
-    here = Path(__file__).resolve().parent
-    for candidate in (here.parents[1] / "templates", here.parent / "_templates"):
-        if (candidate / "gemm" / "gemm.c.j2").is_file():
-            return candidate
-    raise FileNotFoundError("autohc templates not found (broken install?)")
+    return data_dir("templates", "gemm/gemm.c.j2")
 
 
 @functools.lru_cache(maxsize=1)

@@ -27,6 +27,7 @@ import torch
 from ..kernels.gemm.matmul import bmm_into, gemm_into
 from ..runtime import omp
 from ..runtime.memory import fresh_empty
+from ..tune import first_use
 from . import fallback
 from .ops import ATEN_IMPLS
 from .threads import kernel_threads, set_kernel_threads
@@ -127,7 +128,8 @@ def _positive(name: str, v) -> None:
         raise ValueError(f"autohc.install: {name} must be a positive int, got {v!r}")
 
 
-def install(threads: int | None = None, torch_threads: int | str | None = "auto") -> None:
+def install(threads: int | None = None, torch_threads: int | str | None = "auto",
+            first_use_tuning: bool = True) -> None:
     """Route torch's CPU float32 GEMMs and the fused operators to autohc kernels (tuned ones
     from the registry).
 
@@ -137,8 +139,14 @@ def install(threads: int | None = None, torch_threads: int | str | None = "auto"
         (GOMP_SPINCOUNT <= 100000 or OMP_WAIT_POLICY=PASSIVE set before torch was imported,
         as `autohc train` does), else 1: with libgomp's default spin, torch's idle workers
         take the cores from autohc's kernels (measured: runtime/omp.py). uninstall()
-        restores the setting."""
+        restores the setting.
+    first_use_tuning: race a few candidates from this CPU's per-microarchitecture table the
+        first time a GEMM problem with no registry entry is met, and record the winner
+        (tune/first_use.py; a few seconds per problem, the default kernel meanwhile).
+        AUTOHC_FIRST_USE=0 turns it off whatever this says."""
     _positive("threads", threads)
+    if not isinstance(first_use_tuning, bool):
+        raise TypeError(f"autohc.install: first_use_tuning must be True or False, got {first_use_tuning!r}")
     if torch_threads == "auto":
         torch_threads = None if omp.torch_waits_briefly() else 1
     _positive("torch_threads", torch_threads)
@@ -149,6 +157,9 @@ def install(threads: int | None = None, torch_threads: int | str | None = "auto"
         set_kernel_threads(_state["threads"])
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
+        if _state["lib"] is None:
+            _state["first_use_before"] = first_use.enabled()
+        first_use.enable(first_use_tuning)
         if _state["lib"] is not None:
             return
         lib = torch.library.Library("aten", "IMPL")
@@ -172,6 +183,7 @@ def uninstall() -> None:
         set_kernel_threads(None)
         if lib is not None:
             lib._destroy()
+            first_use.enable(_state.get("first_use_before", False))
             torch.set_num_threads(_state["torch_threads_before"])
 
 
@@ -180,10 +192,11 @@ def is_installed() -> bool:
 
 
 @contextlib.contextmanager
-def installed(threads: int | None = None, torch_threads: int | str | None = "auto"):
+def installed(threads: int | None = None, torch_threads: int | str | None = "auto",
+              first_use_tuning: bool = True):
     """`with autohc.installed(): ...` — installed inside the block, as before after it."""
     was = is_installed()
-    install(threads, torch_threads)
+    install(threads, torch_threads, first_use_tuning)
     try:
         yield
     finally:

@@ -6,21 +6,21 @@ parameter p. The thread geometry "JCxICxJR" (jc_ways, ic_ways, jr_ways) is every
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from pathlib import Path
 
 import yaml
 
+from ..datafiles import data_dir
+
+from ..kernels import archs
 from ..kernels.gemm.params import ISAS, GemmParams, default_params
 
 
 def spaces_dir() -> Path:
-    here = Path(__file__).resolve().parent.parent
-    for candidate in (here.parent / "search_spaces", here / "_search_spaces"):
-        if (candidate / "gemm.yaml").is_file():
-            return candidate
-    raise FileNotFoundError("autohc search spaces not found (broken install?)")
+    return data_dir("search_spaces", "gemm.yaml")
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,16 +57,25 @@ def isa_entries(space: dict, isa: str) -> dict:
 
 
 def starting_points(params: GemmParams, isa: str, op: str = "gemm") -> list[dict]:
-    """Trial values of the default and of the YAML's `starts` (overrides of the default)."""
+    """Trial values of the default, of this CPU's candidates in the per-microarchitecture
+    table (configs/<arch>.yaml) and of the search space's `starts` (overrides of the default)."""
     base = as_suggestions(params, isa, op)
-    starts = ((load_space(op).get("isa") or {}).get(isa) or {}).get("starts") or []
     out = [base]
+    if op == "gemm":
+        for c in archs.gemm_candidates(isa):
+            p = dataclasses.replace(params, **c).validate()
+            out.append(as_suggestions(p, isa, op))
+    starts = ((load_space(op).get("isa") or {}).get(isa) or {}).get("starts") or []
     for s in starts:
         unknown = set(s) - set(base)
         if unknown:
             raise ValueError(f"search space {op}/{isa}: start {s} names unknown parameters {unknown}")
         out.append({**base, **s})
-    return out
+    unique = []
+    for v in out:
+        if v not in unique:
+            unique.append(v)
+    return unique
 
 
 def suggest_params(trial, isa: str, threads: int, op: str = "gemm") -> GemmParams:

@@ -7,6 +7,7 @@ import functools
 from dataclasses import dataclass
 
 from ...hw import cpu
+from .. import archs
 from ..family import ParamError
 from ..isa import ISAS
 
@@ -78,7 +79,7 @@ class EltwiseParams:
 
 @functools.lru_cache(maxsize=None)
 def default_eltwise(isa: str | None = None) -> EltwiseParams:
-    """Parameters that work before any tuning: the ISA's full vector width (this CPU's best
-    ISA when none is named), unroll 2, plain stores, every thread given."""
+    """Parameters that work before any tuning: the per-microarchitecture table's entry for
+    `isa` (this CPU's best ISA when none is named), plain stores, every thread given."""
     isa = isa or cpu.best_isa()
-    return EltwiseParams(isa=isa, vl={"avx512": 16, "avx2": 8}.get(isa, 4), unroll=2).validate()
+    return EltwiseParams(isa=isa, **archs.eltwise_default(isa)).validate()

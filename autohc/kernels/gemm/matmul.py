@@ -23,14 +23,30 @@ except ImportError:  # pragma: no cover
     torch = None
 
 
+# Called with (layout, M, K, N, threads) of a Linear problem the registry has no entry for;
+# answers the parameters to run, or None for the default. Set by tune/first_use.enable().
+_registry_miss_hook = None
+
+
+def set_registry_miss_hook(hook) -> None:
+    global _registry_miss_hook
+    _registry_miss_hook = hook
+
+
 def tuned_params(m: int, k: int, n: int, sa, sb, threads: int) -> GemmParams:
-    """The registry's configuration for this problem on this CPU, else the default one."""
+    """The registry's configuration for this problem on this CPU, else (first-use tuning's
+    pick, when it is on, or) the default one."""
     layout = registry.layout_of(sa[0], sa[1], sb[0], sb[1])
     if layout is not None:              # (no registry file: lookup answers None)
         M, K, N = registry.linear_dims(layout, m, k, n)
         hit = registry.lookup("gemm", layout, K, N, M, threads)
         if hit is not None:
             return hit[0]
+        hook = _registry_miss_hook
+        if hook is not None:
+            chosen = hook(layout, M, K, N, threads)
+            if chosen is not None:
+                return chosen
     return default_kernel_params(threads)
 
 

@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 
 
+from .. import archs
 from ..family import ParamError
 from ..isa import ISAS
 
@@ -110,20 +111,13 @@ class GemmParams:
         return "autohc_g" + self.key[:12]
 
 
-def default_params(isa: str, threads: int = 1) -> GemmParams:
-    """A configuration that works (and is fast) before any tuning.
-
-    Register tiles: 6x16 on AVX2 (BLIS Zen), 12x32 on AVX-512 (24 accumulators of 32
-    zmm), 6x8 with 4 lanes for the portable back-end (fits 16 SSE or 32 NEON registers).
-    Threads: one JC way per thread, i.e. each thread owns its N slice (CFTP).
-    """
+def default_params(isa: str, threads: int = 1, arch: str | None = None) -> GemmParams:
+    """A configuration that works (and is fast) before any tuning: the per-microarchitecture
+    table's entry for `isa` (configs/<arch>.yaml; `arch` names one, else this CPU's), with one
+    JC way per thread, i.e. each thread owns its N slice (CFTP)."""
     if isa not in ISAS:
         raise ParamError(f"unknown isa {isa!r}; one of {tuple(ISAS)}")
     if type(threads) is not int or not 1 <= threads <= MAX_THREADS:
         raise ParamError(f"threads={threads!r}: must be an int in [1, {MAX_THREADS}]")
-    base = {
-        "avx2": dict(vl=8, mr=6, nr=16, kc=256, mc=144, nc=4096, k_unroll=4),
-        "avx512": dict(vl=16, mr=12, nr=32, kc=256, mc=144, nc=4096, k_unroll=4),
-        "portable": dict(vl=4, mr=6, nr=8, kc=256, mc=144, nc=4096, k_unroll=4),
-    }[isa]
+    base = archs.gemm_default(isa, archs.by_name(arch) if arch else None)
     return GemmParams(isa=isa, jc_ways=threads, **base).validate()

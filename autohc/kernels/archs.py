@@ -1,0 +1,145 @@
+"""Kernel defaults per microarchitecture: the table in configs/<arch>.yaml (as BLIS keeps
+config/<arch>), the entry this CPU matches, and what it gives each kernel family.
+
+An entry names what the CPU must report (`match`: vendor, x86 family, model ranges, flags that
+must be there or not), and per back-end the GEMM default, the candidates that the tuner starts
+from and first-use tuning races, and the element-wise default. The most specific matching entry
+wins; `generic` matches every CPU. A back-end an entry does not list comes from `generic`.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from ..datafiles import data_dir
+
+from ..hw import cpu
+from .family import ParamError
+
+MATCH_KEYS = ("vendor", "family", "models", "flags", "without")
+ENTRY_KEYS = {"name", "title", "match", "gemm", "eltwise"}
+GEMM_KEYS = {"default", "candidates", "source", "derive_blocks"}
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str
+    title: str
+    match: dict
+    gemm: dict = field(default_factory=dict)      # isa -> {default, candidates, source, ...}
+    eltwise: dict = field(default_factory=dict)   # isa -> EltwiseParams fields
+
+    def matches(self, info: cpu.CpuInfo) -> bool:
+        m = self.match
+        if "vendor" in m and info.vendor != m["vendor"]:
+            return False
+        if "family" in m and info.family != m["family"]:
+            return False
+        if "models" in m and not any(lo <= (info.model_number if info.model_number is not None else -1) <= hi
+                                     for lo, hi in m["models"]):
+            return False
+        if not info.has(*m.get("flags", ())):
+            return False
+        return not any(f in info.flags for f in m.get("without", ()))
+
+    @property
+    def specificity(self) -> int:
+        return sum(k in self.match for k in MATCH_KEYS)
+
+
+def configs_dir() -> Path:
+    return data_dir("configs", "generic.yaml")
+
+
+def _check(path: Path, d) -> Arch:
+    if not isinstance(d, dict) or set(d) - ENTRY_KEYS or "name" not in d or "match" not in d:
+        raise ValueError(f"{path}: an arch entry needs name and match, and only {sorted(ENTRY_KEYS)}")
+    if not isinstance(d["match"], dict) or set(d["match"]) - set(MATCH_KEYS):
+        raise ValueError(f"{path}: match takes only {MATCH_KEYS}")
+    for isa, g in (d.get("gemm") or {}).items():
+        if not isinstance(g, dict) or "default" not in g or set(g) - GEMM_KEYS:
+            raise ValueError(f"{path}: gemm.{isa} needs a default and takes only {sorted(GEMM_KEYS)}")
+    return Arch(d["name"], d.get("title", d["name"]), d["match"], d.get("gemm") or {},
+                d.get("eltwise") or {})
+
+
+@functools.lru_cache(maxsize=None)
+def table() -> tuple[Arch, ...]:
+    out = []
+    for path in sorted(configs_dir().glob("*.yaml")):
+        arch = _check(path, yaml.safe_load(path.read_text()))
+        if arch.name != path.stem:
+            raise ValueError(f"{path}: name {arch.name!r} differs from the file name")
+        out.append(arch)
+    return tuple(out)
+
+
+def by_name(name: str) -> Arch:
+    for a in table():
+        if a.name == name:
+            return a
+    raise ValueError(f"no arch entry {name!r}; one of {', '.join(a.name for a in table())}")
+
+
+def select(info: cpu.CpuInfo | None = None) -> Arch:
+    """The most specific entry this CPU matches (generic when none other does)."""
+    info = info or cpu.detect()
+    hits = [a for a in table() if a.matches(info)]
+    return max(hits, key=lambda a: a.specificity) if hits else by_name("generic")
+
+
+def _gemm_entry(isa: str, arch: Arch) -> tuple[Arch, dict]:
+    if isa in arch.gemm:
+        return arch, arch.gemm[isa]
+    generic = by_name("generic")
+    if isa not in generic.gemm:
+        raise ParamError(f"no GEMM default for back-end {isa!r}")
+    return generic, generic.gemm[isa]
+
+
+def derived_blocks(default: dict, info: cpu.CpuInfo) -> dict:
+    """kc, mc from the caches (the B micro-panel nr x kc in half of L1d, the A block mc x kc in
+    half of L2), clamped to what has been measured to work; the default's where unknown."""
+    out = dict(default)
+    l1, l2 = info.cache_size(1), info.cache_size(2)
+    nr, mr = default["nr"], default["mr"]
+    if l1:
+        out["kc"] = max(128, min(512, (l1 // 2) // (4 * nr) // 32 * 32))
+    if l2:
+        out["mc"] = max(4 * mr, min(480, (l2 // 2) // (4 * out["kc"]) // mr * mr))
+    return out
+
+
+def gemm_default(isa: str, arch: Arch | None = None, info: cpu.CpuInfo | None = None) -> dict:
+    """GemmParams fields (without threads) of the default for `isa` on `arch` (this CPU's)."""
+    info = info or cpu.detect()
+    src, entry = _gemm_entry(isa, arch or select(info))
+    values = dict(entry["default"])
+    if entry.get("derive_blocks"):
+        values = derived_blocks(values, info)
+    return values
+
+
+def gemm_candidates(isa: str, arch: Arch | None = None) -> list[dict]:
+    """Overrides of the default that the tuner starts from and first-use tuning races."""
+    _, entry = _gemm_entry(isa, arch or select())
+    return [dict(c) for c in entry.get("candidates") or ()]
+
+
+def eltwise_default(isa: str, arch: Arch | None = None) -> dict:
+    arch = arch or select()
+    return dict(arch.eltwise.get(isa) or by_name("generic").eltwise.get(isa) or {})
+
+
+def describe(info: cpu.CpuInfo | None = None) -> dict:
+    """What `autohc info` shows: the entry chosen and its GEMM default's source."""
+    info = info or cpu.detect()
+    arch = select(info)
+    isa = cpu.best_isa(info)
+    src, entry = _gemm_entry(isa, arch)
+    return {"arch": arch.name, "title": arch.title, "isa": isa,
+            "gemm_default": gemm_default(isa, arch, info), "source": " ".join(str(entry.get("source", "")).split()),
+            "from": src.name}

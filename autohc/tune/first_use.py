@@ -1,0 +1,227 @@
+"""Tuning on first use (as Triton's autotune and cudnn.benchmark do): the first time `matmul`
+(or the torch override) meets a GEMM problem (layout, K, N, M bucket, threads) that the registry
+has no entry for, it races a handful of candidates from this CPU's entry in the
+per-microarchitecture table (configs/<arch>.yaml) and records the winner.
+
+    1st call of a problem: the default kernel runs; the candidates start compiling on a
+                           background thread (gcc runs beside the caller's work).
+    a later call, once they are built: each candidate is verified (GemmVerifier: a wrong one can
+                           never win), then the default and the candidates are raced by the one
+                           timing protocol within the budget; the default is kept unless beaten by
+                           more than the spread (pipeline.pick). The entry is recorded with
+                           "source": "first-use" and that call already runs the winner.
+The race runs on the problem's own shapes with operands of its own (never the caller's
+tensors), so a result is never changed, only which verified kernel computes it.
+
+Off by default for `autohc.matmul` alone (`autohc.tune.first_use.enable()` turns it on);
+`install()` and `autohc train` turn it on (`first_use_tuning=False` / `--no-first-use-tuning`
+turn it off), and AUTOHC_FIRST_USE=0 turns it off everywhere. AUTOHC_FIRST_USE_BUDGET is the race's
+budget in seconds per problem (default 3; compiles run before it, in the background).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..bench import timing
+from ..build import BuildError
+from ..kernels import archs
+from ..kernels.gemm import matmul as gemm_matmul
+from ..kernels.gemm.family import GEMM
+from ..kernels.gemm.kernel import KernelError, default_kernel_params, get_kernel
+from ..kernels.gemm.params import GemmParams, ParamError
+from ..kernels.gemm.problem import GemmProblem
+from ..runtime.settings import non_negative_int
+from . import pipeline, registry
+from .verify import GemmVerifier, WrongResult
+
+MIN_FLOPS = 2e8         # smaller problems: a race would cost more than it could ever win back
+SAMPLES = 5
+
+
+def env_off() -> bool:
+    """AUTOHC_FIRST_USE=0 turns first-use tuning off everywhere (1 or unset: callers decide)."""
+    v = os.environ.get("AUTOHC_FIRST_USE", "").strip().lower()
+    if v in ("", "1", "on", "true", "yes"):
+        return False
+    if v in ("0", "off", "false", "no"):
+        return True
+    raise ValueError(f"AUTOHC_FIRST_USE={v!r}: use 0 (off) or 1 (on)")
+
+
+def budget_s() -> float:
+    return float(non_negative_int("AUTOHC_FIRST_USE_BUDGET", 3, "seconds of racing per GEMM problem"))
+
+
+@dataclass
+class Tuning:
+    """One problem's first-use tuning."""
+    problem: GemmProblem
+    threads: int
+    default: GemmParams
+    candidates: list[GemmParams]
+    state: str = "building"             # building -> ready -> done | skipped | failed
+    thread: threading.Thread | None = None
+    built: list[GemmParams] = field(default_factory=list)
+    chosen: GemmParams | None = None
+    build_s: float = 0.0
+    race_s: float = 0.0
+    note: str = ""
+
+
+_lock = threading.Lock()
+_tunings: dict[str, Tuning] = {}
+_busy = threading.local()               # the race's own GEMMs must not start tunings
+_enabled = False
+
+
+def enable(on: bool = True) -> None:
+    """Turn first-use tuning on or off for this process (AUTOHC_FIRST_USE=0 wins over on)."""
+    global _enabled
+    _enabled = bool(on) and not env_off()
+    gemm_matmul.set_registry_miss_hook(on_miss if _enabled else None)
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def tunings() -> dict[str, Tuning]:
+    with _lock:
+        return dict(_tunings)
+
+
+def forget() -> None:
+    """Drop this process's memory of tunings (the registry keeps what was recorded)."""
+    wait()
+    with _lock:
+        _tunings.clear()
+
+
+def _candidates(isa: str, default: GemmParams) -> list[GemmParams]:
+    out = []
+    for c in archs.gemm_candidates(isa):
+        try:
+            p = dataclasses.replace(default, **c).validate()
+        except (ParamError, TypeError):
+            continue                    # a candidate this thread count cannot run
+        if p != default and p not in out:
+            out.append(p)
+    return out
+
+
+def _build(t: Tuning) -> None:
+    t0 = time.perf_counter()
+    for p in t.candidates:
+        try:
+            if get_kernel(p).runnable:
+                t.built.append(p)
+        except (BuildError, KernelError) as e:
+            t.note += f"{p.symbol}: {e}; "
+    t.build_s = time.perf_counter() - t0
+    t.state = "ready"
+
+
+def on_miss(layout: str, M: int, K: int, N: int, threads: int) -> GemmParams | None:
+    """The registry had nothing for this problem: None (run the default) while its tuning is
+    under way, the winner from the call that finishes it on."""
+    if getattr(_busy, "on", False):
+        return None
+    key = GEMM.problem_key(layout, K, N, M, threads)
+    with _lock:
+        t = _tunings.get(key)
+        if t is None:
+            t = _tunings[key] = _start(layout, M, K, N, threads)
+            return None
+        if t.state != "ready":
+            return t.chosen
+        t.state = "racing"
+    _race_safely(t)
+    return t.chosen
+
+
+def _race_safely(t: Tuning) -> None:
+    try:
+        _race(t)
+    except Exception as e:              # tuning must never break the caller's GEMM
+        t.state, t.note = "failed", f"{t.note}{type(e).__name__}: {e}"
+
+
+def _start(layout: str, M: int, K: int, N: int, threads: int) -> Tuning:
+    default = default_kernel_params(threads)
+    problem = GemmProblem("first-use", layout, M, K, N)
+    t = Tuning(problem, threads, default, _candidates(default.isa, default))
+    if problem.flops < MIN_FLOPS or min(M, N) <= default.skinny_m or not t.candidates:
+        t.state, t.note = "skipped", "too small to gain from tuning" if t.candidates else "no candidates"
+        return t
+    t.thread = threading.Thread(target=_build, args=(t,), name="autohc-first-use-build", daemon=True)
+    t.thread.start()
+    return t
+
+
+def _race(t: Tuning) -> None:
+    t0 = time.perf_counter()
+    _busy.on = True
+    try:
+        verify = GemmVerifier(t.problem)
+        finalists = {"default": t.default}
+        for i, p in enumerate(t.built):
+            try:
+                verify(p)
+            except WrongResult as e:
+                t.note += f"candidate {p.symbol} failed verification: {e}; "
+                continue
+            finalists[f"candidate {i}"] = p
+        a, b = t.problem.operands(seed=1)
+        out = a.new_empty(a.shape[0], b.shape[1])
+        runs = {k: (lambda p=p: gemm_matmul.matmul(a, b, out=out, params=p)) for k, p in finalists.items()}
+        times = timing.interleaved(runs, samples=SAMPLES, warmup=1, max_seconds=budget_s())
+    finally:
+        _busy.on = False
+    kept = pipeline.pick(times, "default")
+    gf = {k: t.problem.flops / v.median / 1e9 for k, v in times.items()}
+    t.chosen, t.race_s = finalists[kept], time.perf_counter() - t0
+    p = t.problem
+    registry.record("gemm", p.layout, p.K, p.N, p.M, t.threads, t.chosen, gf[kept], 0.0,
+                    source="first-use", default_gflops=round(gf["default"], 2),
+                    candidates=len(finalists) - 1, build_s=round(t.build_s, 2),
+                    race_s=round(t.race_s, 2))
+    t.state = "done"
+
+
+def wait(timeout: float | None = None) -> None:
+    """Until every background compile has finished (tests, `autohc bench gemm`)."""
+    for t in tunings().values():
+        if t.thread is not None:
+            t.thread.join(timeout)
+
+
+def finish_pending() -> float:
+    """Run every started tuning to the end now: wait for its compiles, race, record. Seconds
+    spent. `autohc bench step` calls it between steps, so that its timed steps run what first
+    use settled on, and reports that time apart."""
+    t0 = time.perf_counter()
+    for key, t in tunings().items():
+        if t.thread is not None:
+            t.thread.join()
+        with _lock:
+            if t.state != "ready":
+                continue
+            t.state = "racing"
+        _race_safely(t)
+    return time.perf_counter() - t0
+
+
+def finish(layout: str, M: int, K: int, N: int, threads: int) -> Tuning | None:
+    """This problem's first-use tuning, started if needed and run to the end now (what
+    `autohc bench gemm` times apart). None if first-use tuning is off."""
+    if not _enabled:
+        return None
+    key = GEMM.problem_key(layout, K, N, M, threads)
+    if key not in tunings():
+        on_miss(layout, M, K, N, threads)
+    finish_pending()
+    return tunings()[key]

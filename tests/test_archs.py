@@ -1,0 +1,90 @@
+"""The per-microarchitecture table (configs/<arch>.yaml): recorded CPU descriptions select the
+right entry, every entry's defaults and candidates are valid and searchable."""
+import dataclasses
+
+import pytest
+
+from autohc.hw.cpu import Cache, CpuInfo
+from autohc.kernels import archs
+from autohc.kernels.gemm.params import GemmParams, default_params
+from autohc.tune.space import as_suggestions, isa_entries, load_space
+
+AVX2 = {"sse2", "avx", "avx2", "fma"}
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+L32K = (Cache(1, "Data", 32 << 10, 1), Cache(2, "Unified", 1 << 20, 1))
+
+
+def _cpu(vendor, family, model, name, flags, caches=L32K, arch="x86_64"):
+    return CpuInfo(arch=arch, vendor=vendor, model=name, flags=frozenset(flags), cpus=(0, 1),
+                   caches=caches, numa_nodes=((0, 1),), family=family, model_number=model)
+
+
+# (what /proc/cpuinfo of real machines says, the entry it must select)
+RECORDED = [
+    (_cpu("AuthenticAMD", 25, 1, "AMD EPYC 7763 64-Core Processor", AVX2), "zen3"),
+    (_cpu("AuthenticAMD", 25, 33, "AMD Ryzen 9 5950X 16-Core Processor", AVX2), "zen3"),
+    (_cpu("AuthenticAMD", 25, 17, "AMD EPYC 9654 96-Core Processor", AVX512), "zen4"),
+    (_cpu("AuthenticAMD", 25, 97, "AMD Ryzen 9 7950X 16-Core Processor", AVX512), "zen4"),
+    (_cpu("AuthenticAMD", 26, 2, "AMD EPYC 9755 128-Core Processor", AVX512), "zen5"),
+    (_cpu("GenuineIntel", 6, 85, "Intel(R) Xeon(R) Gold 6148 CPU @ 2.40GHz", AVX512), "skx"),
+    (_cpu("GenuineIntel", 6, 106, "Intel(R) Xeon(R) Platinum 8380 CPU @ 2.30GHz", AVX512), "skx"),
+    (_cpu("GenuineIntel", 6, 143, "Intel(R) Xeon(R) Platinum 8480+", AVX512 | {"amx_tile"}), "spr"),
+    (_cpu("GenuineIntel", 6, 207, "Intel(R) Xeon(R) Processor", AVX512 | {"amx_tile"}), "spr"),
+    (_cpu("GenuineIntel", 6, 63, "Intel(R) Xeon(R) CPU E5-2680 v3 @ 2.50GHz", AVX2), "haswell"),
+    (_cpu("GenuineIntel", 6, 151, "12th Gen Intel(R) Core(TM) i9-12900K", AVX2), "haswell"),
+    # unknown: a future AMD family, an Intel AVX-512 model nobody listed, an Arm server
+    (_cpu("AuthenticAMD", 27, 0, "AMD EPYC (future)", AVX512), "generic"),
+    (_cpu("GenuineIntel", 6, 250, "Intel(R) Xeon(R) (future)", AVX512), "generic"),
+    (_cpu("0x41", None, None, "Neoverse-V2", {"asimd", "sve"}, arch="aarch64"), "generic"),
+]
+
+
+@pytest.mark.parametrize("info,name", RECORDED, ids=[r[0].model for r in RECORDED])
+def test_recorded_cpus_select_their_entry(info, name):
+    assert archs.select(info).name == name
+
+
+def test_zen4_without_avx512_flags_is_not_zen4():
+    """A hypervisor that hides AVX-512 from a Zen 4 guest: not the AVX-512 entry."""
+    info = _cpu("AuthenticAMD", 25, 17, "AMD EPYC 9654 (AVX-512 masked)", AVX2)
+    assert archs.select(info).name != "zen4"
+
+
+def test_every_entry_gives_valid_defaults_and_searchable_candidates():
+    space = load_space("gemm")
+    for arch in archs.table():
+        for isa in arch.gemm:
+            d = default_params(isa, 2, arch.name)
+            assert d.jc_ways == 2
+            entries = isa_entries(space, isa)
+            for p in [d] + [dataclasses.replace(d, **c).validate()
+                            for c in archs.gemm_candidates(isa, arch)]:
+                sugg = as_suggestions(p, isa)
+                off = {k: v for k, v in sugg.items() if k in entries and v not in entries[k]["values"]}
+                assert not off, f"{arch.name}/{isa}: {off} not in search_spaces/gemm.yaml"
+            assert arch.gemm[isa].get("source"), f"{arch.name}/{isa} says nowhere where it comes from"
+
+
+def test_entries_differ_where_the_published_configurations_do():
+    zen3 = default_params("avx2", 1, "zen3")
+    haswell = default_params("avx2", 1, "haswell")
+    assert (zen3.mr, zen3.nr) == (haswell.mr, haswell.nr) == (6, 16)
+    assert (zen3.mc, haswell.mc) == (144, 168)       # BLIS zen vs haswell MC
+    assert default_params("avx512", 1, "skx").nc == 3072
+
+
+def test_generic_blocks_follow_the_caches():
+    small = _cpu("X", None, None, "x", AVX512, caches=(Cache(1, "Data", 32 << 10, 1), Cache(2, "Unified", 1 << 20, 1)))
+    big = _cpu("X", None, None, "x", AVX512, caches=(Cache(1, "Data", 64 << 10, 1), Cache(2, "Unified", 2 << 20, 1)))
+    g = archs.by_name("generic")
+    a, b = archs.gemm_default("avx512", g, small), archs.gemm_default("avx512", g, big)
+    assert a["kc"] < b["kc"] and a["nr"] * a["kc"] * 4 <= (32 << 10) // 2
+    GemmParams(isa="avx512", **a).validate()
+    GemmParams(isa="avx512", **b).validate()
+
+
+def test_default_params_takes_this_cpus_entry_and_rejects_unknown_names():
+    assert default_params("avx512", 1) == default_params("avx512", 1, archs.select().name) \
+        or "avx512" not in archs.select().gemm
+    with pytest.raises(ValueError, match="no arch entry"):
+        default_params("avx2", 1, "pentium")

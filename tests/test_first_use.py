@@ -1,0 +1,95 @@
+"""Tuning on first use: a GEMM problem with no registry entry gets its candidates from the
+per-microarchitecture table raced and the winner recorded; no result ever changes."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autohc
+from autohc.kernels.gemm.family import GEMM
+from autohc.kernels.gemm.matmul import matmul
+from autohc.tune import first_use, registry
+from autohc.tune.verify import U32
+
+
+@pytest.fixture
+def fresh(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOHC_REGISTRY", str(tmp_path / "registry.json"))
+    monkeypatch.setenv("AUTOHC_FIRST_USE", "1")
+    monkeypatch.setenv("AUTOHC_FIRST_USE_BUDGET", "1")
+    registry.forget()
+    first_use.forget()
+    yield
+    first_use.enable(False)
+    first_use.forget()
+    registry.forget()
+
+
+def _close(out, a, b):
+    ref = a.double() @ b.double()
+    bound = 2.0 * (a.shape[1] + 4) * U32 * (a.double().abs() @ b.double().abs()) + 1e-30
+    return bool(((out.double() - ref).abs() <= bound).all())
+
+
+def test_first_use_records_an_entry_and_never_changes_a_result(fresh):
+    first_use.enable()
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(512, 384, generator=g), torch.randn(1152, 384, generator=g)
+    x0, w0 = x.clone(), w.clone()
+    threads = 2
+    key = GEMM.problem_key("NT", 384, 1152, 512, threads)
+    first = matmul(x, w.t(), threads=threads)            # starts the tuning: default kernel
+    assert _close(first, x, w.t())
+    assert first_use.tunings()[key].state in ("building", "ready")
+    first_use.wait()
+    second = matmul(x, w.t(), threads=threads)           # races, records, runs the winner
+    t = first_use.tunings()[key]
+    assert t.state == "done", t.note
+    assert _close(second, x, w.t())
+    assert torch.equal(x, x0) and torch.equal(w, w0)     # the race never used the caller's data
+    hit = registry.lookup("gemm", "NT", 384, 1152, 512, threads, exact=True)
+    assert hit is not None and hit[1]["source"] == "first-use"
+    assert hit[0] == t.chosen and hit[1]["candidates"] >= 1
+    third = matmul(x, w.t(), threads=threads)             # now a registry hit
+    assert _close(third, x, w.t())
+    if t.chosen == t.default:
+        assert torch.equal(third, first)
+
+
+def test_install_tunes_on_first_use_and_the_switch_turns_it_off(fresh, monkeypatch):
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(640, 384, generator=g), torch.randn(768, 384, generator=g)
+    want = F.linear(x, w)
+    with autohc.installed(first_use_tuning=False):
+        F.linear(x, w)
+        assert not first_use.tunings()
+    with autohc.installed():
+        assert first_use.enabled()
+        y1 = F.linear(x, w)
+        first_use.wait()
+        y2 = F.linear(x, w)
+    assert not first_use.enabled()                       # uninstall turned it off again
+    torch.testing.assert_close(y1, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(y2, want, rtol=1e-4, atol=1e-4)
+    done = [t for t in first_use.tunings().values() if t.state == "done"]
+    assert done and all(t.problem.layout == "NT" for t in done)
+    monkeypatch.setenv("AUTOHC_FIRST_USE", "0")
+    first_use.forget()
+    with autohc.installed():
+        assert not first_use.enabled()
+        F.linear(torch.randn(700, 384), w)
+    assert not first_use.tunings()
+
+
+def test_small_and_skinny_problems_are_not_tuned(fresh):
+    first_use.enable()
+    matmul(torch.randn(8, 384), torch.randn(384, 1152))      # skinny (adaLN-like)
+    matmul(torch.randn(64, 64), torch.randn(64, 64))         # tiny
+    first_use.wait()
+    assert {t.state for t in first_use.tunings().values()} == {"skipped"}
+    assert not registry.entries_for_this_cpu("gemm")
+
+
+def test_bad_switch_value_is_one_clear_error(fresh, monkeypatch):
+    monkeypatch.setenv("AUTOHC_FIRST_USE", "maybe")
+    with pytest.raises(ValueError, match="AUTOHC_FIRST_USE"):
+        first_use.enable()
