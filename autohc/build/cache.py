@@ -81,6 +81,7 @@ class Library:
 
 _loaded: dict[str, Library] = {}
 _lock = threading.Lock()
+_key_locks: dict[str, threading.Lock] = {}
 
 
 def _sha256_file(path: Path) -> str:
@@ -210,6 +211,12 @@ def build(source: str, cdef: str, flags: tuple[str, ...] = (), *, meta: dict | N
     with _lock:
         if key in _loaded:
             return _loaded[key]
+        key_lock = _key_locks.setdefault(key, threading.Lock())
+    # one build per key at a time, and none holds up another key's (a kernel compiling on a
+    # background thread for first-use tuning must not stall the caller's other kernels)
+    with key_lock:
+        if key in _loaded:
+            return _loaded[key]
         lib = _load_verified(entry, key)
         if lib is None:
             cc_path = compiler()     # only now is a compiler needed
@@ -229,7 +236,8 @@ def build(source: str, cdef: str, flags: tuple[str, ...] = (), *, meta: dict | N
             lib = _load_verified(entry, key)
             if lib is None:
                 raise BuildError(f"kernel {key[:12]} was built but cannot be verified in {entry}")
-        _loaded[key] = lib
+        with _lock:
+            _loaded[key] = lib
         return lib
 
 

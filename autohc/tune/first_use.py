@@ -74,6 +74,7 @@ class Tuning:
 
 _lock = threading.Lock()
 _tunings: dict[str, Tuning] = {}
+_spent = {"race_s": 0.0, "build_s": 0.0}   # totals of this process (bench step reports deltas)
 _busy = threading.local()               # the race's own GEMMs must not start tunings
 _enabled = False
 
@@ -122,6 +123,7 @@ def _build(t: Tuning) -> None:
         except (BuildError, KernelError) as e:
             t.note += f"{p.symbol}: {e}; "
     t.build_s = time.perf_counter() - t0
+    _spent["build_s"] += t.build_s
     t.state = "ready"
 
 
@@ -184,12 +186,20 @@ def _race(t: Tuning) -> None:
     kept = pipeline.pick(times, "default")
     gf = {k: t.problem.flops / v.median / 1e9 for k, v in times.items()}
     t.chosen, t.race_s = finalists[kept], time.perf_counter() - t0
+    _spent["race_s"] += t.race_s
     p = t.problem
     registry.record("gemm", p.layout, p.K, p.N, p.M, t.threads, t.chosen, gf[kept], 0.0,
                     source="first-use", default_gflops=round(gf["default"], 2),
                     candidates=len(finalists) - 1, build_s=round(t.build_s, 2),
                     race_s=round(t.race_s, 2))
     t.state = "done"
+
+
+def spent() -> dict[str, float]:
+    """Seconds this process spent on first-use tuning: `race_s` in the callers' threads
+    (verification and races, inside the GEMM call that met the problem again, or in
+    finish_pending), `build_s` compiling on background threads (beside the callers' work)."""
+    return dict(_spent)
 
 
 def wait(timeout: float | None = None) -> None:

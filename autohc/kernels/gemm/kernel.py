@@ -64,10 +64,19 @@ def _check(rc: int) -> None:
 
 _kernels: dict[GemmParams, GemmKernel] = {}
 _kernels_lock = threading.Lock()
+_building: dict[GemmParams, threading.Lock] = {}
 
 
 def get_kernel(params: GemmParams) -> GemmKernel:
+    """The compiled kernel of `params`, built on first use. A build holds only its own
+    parameters' lock, so a kernel compiling on a background thread (first-use tuning) never
+    holds up a GEMM of another, already built kernel."""
+    k = _kernels.get(params)
+    if k is not None:
+        return k
     with _kernels_lock:
+        lock = _building.setdefault(params, threading.Lock())
+    with lock:
         k = _kernels.get(params)
         if k is None:
             k = _kernels[params] = GemmKernel(params)
