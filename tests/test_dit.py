@@ -179,18 +179,21 @@ def test_folder_data_and_its_errors(tmp_path):
 
 
 def test_batches_are_sharded_and_resumable():
+    """Ranks take slices of the one global batch: together they see what one process sees."""
     ds = datalib.synthetic(4, 1, 10, 3, 0)
+    one = datalib.Batches(ds, 4, seed=1)
     a = datalib.Batches(ds, 4, seed=1, rank=0, world=2)
     b = datalib.Batches(ds, 4, seed=1, rank=1, world=2)
-    first = set(a._order.tolist()) | set(b._order.tolist())
-    assert first == set(range(10)) and not set(a._order.tolist()) & set(b._order.tolist())
-    for _ in range(3):
-        a.next()
+    for _ in range(5):                      # across an epoch's end (10 samples, batch 4)
+        whole, (xa, ya), (xb, yb) = one.next(), a.next(), b.next()
+        assert torch.equal(torch.cat([xa, xb]), whole[0]) and torch.equal(torch.cat([ya, yb]), whole[1])
     s = a.state_dict()
     expect = [a.next()[1].tolist() for _ in range(4)]
     c = datalib.Batches(ds, 4, seed=1, rank=0, world=2)
     c.load_state_dict(s)
     assert [c.next()[1].tolist() for _ in range(4)] == expect
+    with pytest.raises(ValueError, match="does not split evenly over 3 ranks"):
+        datalib.Batches(ds, 4, seed=1, rank=0, world=3)
 
 
 # ---------------------------------------------------------------------------- trainer

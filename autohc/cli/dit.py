@@ -15,6 +15,10 @@ TRAIN_EPILOG = """examples:
   autohc train --data digits --steps 4000 --out runs/digits --resume   # continue to 4000 steps
   autohc train --model DiT-XL/2 --data npy:latents.npy --batch 8 --lr 1e-4 --out runs/xl
   autohc train --model DiT-S/2 --data folder:imgs/ --image-size 32 --no-autohc --out runs/s
+data parallel (one rank per socket or die, all its cores; --batch is the global batch):
+  torchrun --nproc-per-node 2 -m autohc.cli train --batch 64 --out runs/dp
+  mpirun -np 2 --map-by ppr:1:socket:pe=N autohc train --batch 64 --out runs/dp
+  srun --ntasks-per-node 2 --cpus-per-task N autohc train --batch 64 --out runs/dp
 data:
   digits          scikit-learn's 8x8 digits, 10 classes (bundled: no download)
   folder:PATH     one subfolder per class with images (--image-size N resizes)
@@ -39,16 +43,23 @@ def add_parsers(sub, bsub) -> None:
                        description="Trains a class-conditional DiT with the epsilon-MSE diffusion loss, AdamW and\n"
                                    "EMA, on autohc's tuned GEMMs and fused operators (--no-autohc: stock torch).\n"
                                    "Shows loss, steps/s, images/s, GFLOP/s and peak RSS. --resume continues from\n"
-                                   "the newest checkpoint in --out, with losses bit-identical to an uninterrupted run.",
+                                   "the newest checkpoint in --out, with losses bit-identical to an uninterrupted run.\n"
+                                   "Data parallel when started by torchrun, mpirun or srun: --batch is the global batch.",
                        epilog=TRAIN_EPILOG)
     t.add_argument("--model", default="DiT-Ti/2", choices=list(MODELS), metavar="NAME",
                    help=f"one of {models} (default: DiT-Ti/2)")
     t.add_argument("--data", default="digits", help="digits | folder:PATH | npy:PATH | synthetic (default: digits)")
     t.add_argument("--steps", type=positive_int, default=2000, help="train until this step (default: 2000)")
-    t.add_argument("--batch", type=positive_int, default=64, help="images per step (default: 64)")
+    t.add_argument("--batch", type=positive_int, default=64,
+                   help="images per step, all ranks together (default: 64)")
     t.add_argument("--out", default="runs/dit", help="run folder (default: runs/dit)")
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
     t.add_argument("--no-autohc", action="store_true", help="stock torch kernels and torch.optim.AdamW")
+    t.add_argument("--no-comm-thread", action="store_true",
+                   help="data parallel: all-reduce on gloo's own threads instead of autohc's "
+                        "communication thread (pinned to the CPU plan's comm core; MPI under mpirun)")
+    t.add_argument("--log-every", type=positive_int, default=50,
+                   help="without a terminal (a batch job's log): a progress line every N steps (default: 50)")
     t.add_argument("--no-first-use-tuning", action="store_true",
                    help="do not tune GEMM problems the registry lacks on first use (a few seconds "
                         "each; AUTOHC_FIRST_USE=0 does the same)")
@@ -157,6 +168,19 @@ def cmd_train(args) -> int:
 
 
 def _train(args) -> int:
+    from ..runtime import dist
+    try:
+        launch = dist.init()            # world 1 without a launcher
+    except dist.LaunchError as e:
+        print(f"autohc: {e}", file=sys.stderr)
+        return 1
+    try:
+        return _train_in_group(args, launch)
+    finally:
+        dist.shutdown()
+
+
+def _train_in_group(args, launch) -> int:
     from ..dit import data as datalib
     from ..dit.sample import plot_losses, save_grid
     from ..dit.train import TrainConfig, Trainer
@@ -167,17 +191,38 @@ def _train(args) -> int:
                       autohc=not args.no_autohc, threads=args.threads, image_size=args.image_size,
                       channels=args.channels, class_dropout=args.class_dropout,
                       learn_sigma=args.learn_sigma, sample_steps=args.sample_steps, cfg=args.cfg,
+                      rank=launch.rank, world=launch.world,
+                      comm="gloo" if args.no_comm_thread else "thread", log_every=args.log_every,
                       extra={"resume": args.resume})
     try:
         trainer = Trainer(cfg)
     except (datalib.DataError, ValueError) as e:
         print(f"autohc: {e}", file=sys.stderr)
         return 1
+    if launch.world > 1 and launch.rank == 0:
+        print(f"autohc: data parallel over {launch.world} ranks ({launch.launcher}), global batch "
+              f"{cfg.batch} = {cfg.batch // launch.world} per rank, gradient all-reduce "
+              + ("on gloo's threads" if cfg.comm == "gloo" else
+                 f"on a communication thread ({'MPI' if trainer.comm_hook.use_mpi else 'gloo'}, "
+                 f"core {trainer.comm_hook.core})"), file=sys.stderr)
     if trainer.resumed_from:
         print(f"autohc: resuming from {trainer.resumed_from} (step {trainer.step})", file=sys.stderr)
     if trainer.step >= cfg.steps:
         print(f"autohc: {args.out} is already at step {trainer.step} >= --steps {cfg.steps}", file=sys.stderr)
-    summary = trainer.run(progress=not args.no_progress)
+    try:
+        summary = trainer.run(progress=not args.no_progress)
+    except RuntimeError as e:
+        if launch.world == 1:
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"autohc: rank {launch.rank} of {launch.world}: a data-parallel step failed "
+              f"(another rank died or hung?): {first}", file=sys.stderr)
+        return 1
+    finally:
+        if trainer.comm_hook is not None:
+            trainer.comm_hook.close()
+    if launch.rank != 0:                # rank 0 plots, samples and reports
+        return 0
     out = Path(args.out)
     plot_losses(trainer.losses, out / "losses.png")
     classes = list(range(min(10, trainer.data.num_classes)))

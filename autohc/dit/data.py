@@ -136,19 +136,23 @@ def npy(path: Path) -> Dataset:
 
 
 class Batches:
-    """Endless batches of a dataset: each epoch a permutation from (seed, epoch), this rank's
-    share of it (rank::world), cut into batches; a batch may run across an epoch's end."""
+    """Endless global batches of a dataset: each epoch a permutation from (seed, epoch), cut
+    into batches of `batch` (a batch may run across an epoch's end); `next` gives this rank's
+    slice of the global batch (rank r of w: rows r*batch/w up to (r+1)*batch/w). So w ranks
+    see exactly the samples one process would, whatever w is (a resume may change it)."""
 
     def __init__(self, data: Dataset, batch: int, *, seed: int = 0, rank: int = 0, world: int = 1):
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
+        if batch % world:
+            raise ValueError(f"the global batch {batch} does not split evenly over {world} ranks")
         self.data, self.batch, self.seed, self.rank, self.world = data, batch, seed, rank, world
         self.epoch, self.pos = 0, 0
         self._order = self._epoch_order()
 
     def _epoch_order(self) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        return torch.randperm(len(self.data.y), generator=g)[self.rank::self.world]
+        return torch.randperm(len(self.data.y), generator=g)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "pos": self.pos}
@@ -164,9 +168,10 @@ class Batches:
                 self.epoch, self.pos = self.epoch + 1, 0
                 self._order = self._epoch_order()
                 if len(self._order) == 0:
-                    raise DataError(f"{self.data.name}: no samples for rank {self.rank} of {self.world}")
+                    raise DataError(f"{self.data.name}: no samples")
             take = self._order[self.pos:self.pos + self.batch - len(idx)]
             idx.extend(take.tolist())
             self.pos += len(take)
-        i = torch.tensor(idx)
+        share = self.batch // self.world
+        i = torch.tensor(idx[self.rank * share:(self.rank + 1) * share])
         return self.data.x[i], self.data.y[i]

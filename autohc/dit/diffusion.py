@@ -35,9 +35,9 @@ class GaussianDiffusion:
         ac = self._at(self.alphas_cumprod, t, x0)
         return ac.sqrt() * x0 + (1.0 - ac).sqrt() * noise
 
-    def training_loss(self, model: Callable, x0, t, y, noise) -> torch.Tensor:
+    def training_loss(self, model: Callable, x0, t, y, noise, **model_kwargs) -> torch.Tensor:
         """MSE between the noise and the model's epsilon (its first C output channels)."""
-        eps = model(self.q_sample(x0, t, noise), t, y)[:, :x0.shape[1]]
+        eps = model(self.q_sample(x0, t, noise), t, y, **model_kwargs)[:, :x0.shape[1]]
         return torch.mean((eps - noise) ** 2)
 
     def _x0_from_eps(self, x, t, eps):

@@ -107,10 +107,12 @@ class LabelEmbedder(nn.Module):
         self.num_classes = num_classes
         self.dropout_prob = dropout_prob
 
-    def forward(self, labels, train: bool):
+    def forward(self, labels, train: bool, drop_draws=None):
+        """drop_draws: uniform draws in [0, 1), one per label, in place of torch.rand (a
+        data-parallel rank passes its slice of the global batch's draws)."""
         if train and self.dropout_prob > 0:
-            drop = torch.rand(labels.shape[0]) < self.dropout_prob
-            labels = torch.where(drop, self.num_classes, labels)
+            u = torch.rand(labels.shape[0]) if drop_draws is None else drop_draws
+            labels = torch.where(u < self.dropout_prob, self.num_classes, labels)
         return self.embedding_table(labels)
 
 
@@ -245,13 +247,14 @@ class DiT(nn.Module):
         x = torch.einsum("nhwpqc->nchpwq", x)
         return x.reshape(x.shape[0], c, h * p, h * p)
 
-    def forward(self, x, t, y):
-        """x: (N, C, H, W) images or latents, t: (N,) timesteps, y: (N,) labels -> (N, out_C, H, W)."""
+    def forward(self, x, t, y, drop_draws=None):
+        """x: (N, C, H, W) images or latents, t: (N,) timesteps, y: (N,) labels -> (N, out_C, H, W).
+        drop_draws: (N,) uniform draws for the label dropout (default: torch.rand)."""
         if x.dim() != 4 or tuple(x.shape[1:]) != (self.in_channels, self.input_size, self.input_size):
             raise ValueError(f"DiT: x must be (N, {self.in_channels}, {self.input_size}, {self.input_size}), "
                              f"got {tuple(x.shape)}")
         x = self.x_embedder(x) + self.pos_embed
-        c = self.t_embedder(t) + self.y_embedder(y, self.training)
+        c = self.t_embedder(t) + self.y_embedder(y, self.training, drop_draws)
         for block in self.blocks:
             x = block(x, c)
         return self.unpatchify(self.final_layer(x, c))

@@ -4,8 +4,12 @@ One step: a batch from the data stream, timesteps and noise from the trainer's o
 epsilon-MSE loss, backward, AdamW (autohc's fused one, or torch's with --no-autohc), EMA.
 Everything a step draws from is in the checkpoint (weights, EMA, optimizer, both RNG states,
 data position, the losses so far), so --resume continues bit-identically on the same machine
-and kernels. Rank-aware: data shards by rank; only rank 0 writes checkpoints, logs and plots;
-gradient hooks are left to the data-parallel runtime.
+and kernels. Data parallel (world > 1, runtime/dist.py): `batch` is the global batch; every
+rank draws the whole batch's timesteps, noise and label-dropout draws and takes its slice, the
+model is wrapped in DistributedDataParallel (gradients all-reduced in buckets during backward,
+on the communication thread of runtime.dist.CommHook unless comm="gloo"), and the logged loss
+is the mean over ranks, so w ranks reproduce one process on the same global batch up to
+float32 reduction order. Only rank 0 writes checkpoints, logs and plots.
 """
 from __future__ import annotations
 
@@ -49,6 +53,8 @@ class TrainConfig:
     cfg: float = 4.0
     rank: int = 0
     world: int = 1
+    comm: str = "thread"                # data parallel: "thread" (CommHook) or "gloo" (DDP's own)
+    log_every: int = 50                 # without a terminal: a log line every N steps (rank 0)
     extra: dict = field(default_factory=dict)
 
 
@@ -129,6 +135,19 @@ class Trainer:
         else:
             self.resumed_from = None
         self.flops_per_step = 3 * cfg.batch * self.model.flops_per_image()
+        self.forward, self.comm_hook = self.model, None
+        if cfg.world > 1:
+            self._data_parallel()
+
+    def _data_parallel(self) -> None:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        from ..runtime import dist
+        if self.cfg.comm not in ("thread", "gloo"):
+            raise ValueError(f"comm must be 'thread' or 'gloo', got {self.cfg.comm!r}")
+        self.forward = DDP(self.model)
+        if self.cfg.comm == "thread":
+            self.comm_hook = dist.CommHook(use_mpi=dist.comm_over_mpi())
+            self.forward.register_comm_hook(None, self.comm_hook.hook)
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict:
@@ -165,16 +184,24 @@ class Trainer:
     # ------------------------------------------------------------------ step
     def train_step(self) -> float:
         self.model.train()
-        x, y = self.batches.next()
-        t = torch.randint(0, self.diffusion.num_timesteps, (x.shape[0],), generator=self.gen)
-        noise = torch.randn(x.shape, generator=self.gen)
-        loss = self.diffusion.training_loss(self.model, x, t, y, noise)
+        x, y = self.batches.next()                      # this rank's slice of the global batch
+        B, share = self.cfg.batch, x.shape[0]
+        mine = slice(self.cfg.rank * share, (self.cfg.rank + 1) * share)
+        # the whole batch's draws on every rank, this rank's slice used: the same numbers as
+        # one process on batch B, whatever the world size
+        t = torch.randint(0, self.diffusion.num_timesteps, (B,), generator=self.gen)[mine]
+        noise = torch.randn((B, *x.shape[1:]), generator=self.gen)[mine]
+        draws = torch.rand(B)[mine] if self.cfg.class_dropout > 0 else None
+        loss = self.diffusion.training_loss(self.forward, x, t, y, noise, drop_draws=draws)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         self.opt.step()
         ema_update(self.ema, self.model, self.cfg.ema, self.step)
         self.step += 1
         value = loss.item()
+        if self.cfg.world > 1:
+            from ..runtime import dist
+            value = dist.average(value)
         if not math.isfinite(value):
             raise FloatingPointError(f"loss is {value} at step {self.step}; lower --lr")
         self.losses.append(value)
@@ -191,7 +218,9 @@ class Trainer:
                 TextColumn("{task.fields[stats]}")]
         t0, smooth = time.perf_counter(), None
         # the bar on stderr: stdout is the summary (--json)
-        with Progress(*cols, disable=not progress or cfg.rank != 0, transient=False,
+        # a terminal gets a bar; a batch job's log file gets a plain line every log_every steps
+        tty = sys.stderr.isatty()
+        with Progress(*cols, disable=not progress or cfg.rank != 0 or not tty, transient=False,
                       console=Console(stderr=True)) as bar:
             task = bar.add_task("train", total=cfg.steps, completed=start, stats="")
             while self.step < cfg.steps:
@@ -199,9 +228,12 @@ class Trainer:
                 smooth = loss if smooth is None else 0.98 * smooth + 0.02 * loss
                 dt = time.perf_counter() - t0
                 n = self.step - start
-                bar.update(task, completed=self.step, stats=(
-                    f"loss {smooth:.4f} · {n / dt:.2f} it/s · {n * cfg.batch / dt:.1f} img/s · "
-                    f"{n * self.flops_per_step / dt / 1e9:.0f} GFLOP/s · RSS {peak_rss_gb():.2f} GB"))
+                stats = (f"loss {smooth:.4f} · {n / dt:.2f} it/s · {n * cfg.batch / dt:.1f} img/s · "
+                         f"{n * self.flops_per_step / dt / 1e9:.0f} GFLOP/s · RSS {peak_rss_gb():.2f} GB")
+                bar.update(task, completed=self.step, stats=stats)
+                if progress and not tty and cfg.rank == 0 and (
+                        self.step % max(1, cfg.log_every) == 0 or self.step == cfg.steps):
+                    print(f"autohc train: step {self.step}/{cfg.steps} · {stats}", file=sys.stderr, flush=True)
                 if self.step % cfg.ckpt_every == 0 or self.step == cfg.steps:
                     self.save()
         dt = time.perf_counter() - t0

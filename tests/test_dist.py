@@ -1,0 +1,179 @@
+"""Data-parallel training: rank discovery per launcher, N ranks reproducing one process on the
+same global batch (torchrun and mpirun), a dead rank ending the others with one clear line,
+bad launch environments."""
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from autohc.runtime import dist
+
+TRAIN = ["train", "--model", "DiT-Ti/8", "--data", "digits", "--batch", "16", "--threads", "1",
+         "--no-progress", "--samples-per-class", "1", "--sample-steps", "2", "--json"]
+
+
+# ----------------------------------------------------------------------- discovery
+
+RECORDED = [
+    ({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400",
+      "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4"},          # torchrun wins
+     dist.Launch(1, 4, 1, "torchrun", "10.0.0.1", 29400)),
+    ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+      "SLURM_PROCID": "0", "SLURM_NTASKS": "1"},                          # mpirun inside an allocation
+     dist.Launch(2, 4, 0, "openmpi")),
+    ({"PMI_RANK": "5", "PMI_SIZE": "8", "MPI_LOCALRANKID": "1"}, dist.Launch(5, 8, 1, "mpich")),
+    ({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_LAUNCH_NODE_IPADDR": "10.1.2.3"},
+     dist.Launch(3, 4, 1, "slurm", "10.1.2.3")),
+    ({"PATH": "/usr/bin"}, dist.Launch(0, 1, 0, "none")),
+]
+
+
+@pytest.mark.parametrize("env,want", RECORDED, ids=[w.launcher for _, w in RECORDED])
+def test_discovery_reads_each_launcher(env, want):
+    assert dist.discover(env) == want
+
+
+@pytest.mark.parametrize("env,msg", [
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "rank 2 is not within world size 2"),
+    ({"OMPI_COMM_WORLD_RANK": "x", "OMPI_COMM_WORLD_SIZE": "2"}, "is not an integer"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "http"}, "MASTER_PORT='http' is not a port"),
+])
+def test_bad_launch_environments_are_one_clear_line(env, msg):
+    with pytest.raises(dist.LaunchError, match=msg):
+        dist.discover(env)
+
+
+# ----------------------------------------------------------------------- equality
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMI_", "SLURM_", "PMIX_")) and k not in ("RANK", "WORLD_SIZE")}
+    env.update(extra)
+    return env
+
+
+def _losses(out):
+    rows = (out / "losses.csv").read_text().split()[1:]
+    return [float(r.split(",")[1]) for r in rows]
+
+
+def _params(out, step):
+    s = torch.load(out / f"ckpt-{step:08d}.pt", weights_only=False)
+    return s["model"]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single") / "run"
+    subprocess.run([sys.executable, "-m", "autohc.cli", *TRAIN, "--steps", "12", "--out", str(out)],
+                   check=True, env=_env(), capture_output=True, timeout=600)
+    return out
+
+
+def _compare(single, out):
+    a, b = _losses(single), _losses(out)
+    assert len(a) == len(b) == 12
+    rel = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+    pa, pb = _params(single, 12), _params(out, 12)
+    moved = max(float((pa[k] - pb[k]).abs().max()) for k in pa)
+    # float32 all-reduce sums in another order than one process's backward: not bit-equal.
+    # AdamW moves every element by up to lr per step whatever its gradient's size, so an element
+    # whose gradient is at rounding level may differ by a fraction of lr * steps (1.2e-2 here)
+    assert rel < 1e-5 and moved < 0.05 * 1e-3 * 12, (rel, moved)
+    return rel, moved
+
+
+def test_two_ranks_under_torchrun_reproduce_one_process(single, tmp_path):
+    out = tmp_path / "run"
+    torchrun = shutil.which("torchrun") or pytest.fail("torchrun not found (it ships with torch)")
+    r = subprocess.run([torchrun, "--nproc-per-node", "2", "-m", "autohc.cli", *TRAIN, "--steps", "12",
+                        "--out", str(out)], env=_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "data parallel over 2 ranks (torchrun)" in r.stderr
+    assert "communication thread (gloo" in r.stderr
+    _compare(single, out)
+
+
+def test_two_ranks_under_mpirun_reproduce_one_process(single, tmp_path):
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        pytest.skip("Open MPI is not installed (CI installs it: .ci/run)")
+    pytest.importorskip("mpi4py")
+    out = tmp_path / "run"
+    r = subprocess.run([mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable, "-m",
+                        "autohc.cli", *TRAIN, "--steps", "12", "--out", str(out)],
+                       env=_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "data parallel over 2 ranks (openmpi)" in r.stderr and "communication thread (MPI" in r.stderr
+    _compare(single, out)
+
+
+def test_gloo_threads_mode_and_resume_on_another_world_size(single, tmp_path):
+    """--no-comm-thread (gloo's own threads) to step 6 on 2 ranks, then resumed by 1 process
+    to step 12: the data stream is global, so it is the single run again."""
+    out = tmp_path / "run"
+    r = subprocess.run([shutil.which("torchrun"), "--nproc-per-node", "2", "-m", "autohc.cli", *TRAIN,
+                        "--steps", "6", "--ckpt-every", "6", "--no-comm-thread", "--out", str(out)],
+                       env=_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "on gloo's threads" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "autohc.cli", *TRAIN, "--steps", "12", "--resume", "--out", str(out)],
+                       env=_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    _compare(single, out)
+
+
+# ----------------------------------------------------------------------- failure
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_dead_rank_ends_the_other_with_one_line_and_keeps_checkpoints(tmp_path):
+    out, port = tmp_path / "run", _port()
+    procs = []
+    for rank in (0, 1):
+        env = _env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), AUTOHC_DIST_TIMEOUT="20")
+        procs.append(subprocess.Popen([sys.executable, "-m", "autohc.cli", *TRAIN, "--steps", "100000",
+                                       "--ckpt-every", "2", "--log-every", "1", "--out", str(out)],
+                                      env=env, stderr=subprocess.PIPE, text=True))
+    r0, r1 = procs
+    deadline = time.time() + 300
+    while not list(out.glob("ckpt-*.pt")) and time.time() < deadline and r0.poll() is None:
+        time.sleep(0.2)
+    assert list(out.glob("ckpt-*.pt")), "no checkpoint before the kill"
+    r1.send_signal(signal.SIGKILL)
+    t0 = time.time()
+    try:
+        _, err = r0.communicate(timeout=90)
+    finally:
+        r0.kill()
+    took = time.time() - t0
+    print(f"rank 0 ended {took:.1f} s after rank 1 was killed")
+    assert took < 60
+    assert r0.returncode == 1, err[-2000:]
+    lines = [line for line in err.splitlines() if line.startswith("autohc: rank 0 of 2")]
+    assert len(lines) == 1 and "a data-parallel step failed" in lines[0], err[-2000:]
+    assert "Traceback" not in err
+    ckpts = sorted(out.glob("ckpt-*.pt"))
+    assert torch.load(ckpts[-1], weights_only=False)["step"] >= 2       # what was saved loads
+
+
+def test_unreachable_master_is_one_clear_line(tmp_path):
+    env = _env(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()),
+               AUTOHC_DIST_TIMEOUT="5")
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "-m", "autohc.cli", *TRAIN, "--steps", "2", "--out", str(tmp_path / "r")],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and time.time() - t0 < 60
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("autohc: rank 1 of 2 could not join the process group at 127.0.0.1:"), r.stderr[-2000:]
