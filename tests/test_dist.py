@@ -177,3 +177,42 @@ def test_unreachable_master_is_one_clear_line(tmp_path):
     assert r.returncode == 1 and time.time() - t0 < 60
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("autohc: rank 1 of 2 could not join the process group at 127.0.0.1:"), r.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------- bench scale
+
+def test_ring_model_fit_and_prediction():
+    from autohc.bench import scale
+    true = scale.RingModel(alpha=20e-6, beta=1e-9, gamma=2e-10)
+    sizes = [1 << 12, 1 << 16, 1 << 20, 1 << 24]
+    fitted = scale.fit(sizes, [true.time(n, 2) for n in sizes], gamma=true.gamma)
+    assert fitted.alpha == pytest.approx(true.alpha, rel=1e-6)
+    assert fitted.beta == pytest.approx(true.beta, rel=1e-6)
+    eff = scale.predict(true, [25 << 20, 25 << 20], step_s=1.0, hidden=0.5)
+    assert 0 < eff[1024] < eff[2] < 1                       # efficiency falls with p
+    assert scale.predict(true, [25 << 20], 1.0, hidden=1.0)[1024] == 1.0    # all hidden
+
+
+def test_bench_scale_measures_and_predicts():
+    """A small real run: two ranks on localhost, the keys the issue asks for."""
+    from autohc.bench.scale import bench_scale
+    r = bench_scale("DiT-Ti/8", 8, steps=3, warmup=1, sizes=(1 << 12, 1 << 20, 1 << 22), repeats=3)
+    assert 0 < r["measured_efficiency_2"] <= 1.5 and 0 <= r["overlap"] <= 1
+    assert set(r["predicted_efficiency"]) >= {2, 1024}
+    assert r["buckets_bytes"] and sum(r["buckets_bytes"]) >= 4 * 1_000_000    # DiT-Ti/8: ~8M params
+    assert r["ring"]["beta"] > 0 and r["paper"]["predicted_efficiency"]
+
+
+def test_netns_hosts_check_the_bandwidth_term():
+    """Two namespaces joined by a veth pair shaped to 1 Gbit/s: a 4 MiB all-reduce between them
+    takes what the ring model's bandwidth term says (n bytes each way at p = 2)."""
+    from autohc.bench import netns, scale
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        pytest.skip("network namespaces need root and iproute2")
+    got = netns.allreduce_between_hosts([1 << 12, 1 << 22], 3, netns.parse_rate("1gbit"))
+    model = scale.RingModel(alpha=0.0, beta=8.0 / 1e9, gamma=0.0)
+    assert got[1 << 22] == pytest.approx(model.time(1 << 22, 2), rel=0.3), got
+    assert not any(h in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+                   for h in netns.HOSTS)                     # torn down
+    with pytest.raises(ValueError, match="link rate"):
+        netns.parse_rate("fast")

@@ -145,6 +145,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the libraries' spinning thread pools (default: all three wait "
                         "passively, via OMP_WAIT_POLICY=PASSIVE and OPENBLAS_THREAD_TIMEOUT=4, "
                         "so no library's idle threads steal the cores of the one being timed)")
+    sc = bsub.add_parser(
+        "scale", formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="data-parallel cost here (all-reduce, 1 vs 2 ranks) and the predicted weak scaling",
+        description="Measures, with 1 and 2 ranks on this machine (gloo on localhost, 1 thread each):\n"
+                    "the all-reduce over a sweep of sizes (fitted to the ring model 2(p-1)a +\n"
+                    "2(p-1)/p n b + (p-1)/p n g), the training step at the same per-rank batch with the\n"
+                    "all-reduce on autohc's communication thread and on gloo's threads, and DDP's\n"
+                    "bucket schedule; predicts weak-scaling efficiency up to 1024 ranks, and for the\n"
+                    "DiT-HC paper's setting (DiT-XL/2, 13.18 s step, 48 GB/s links).",
+        epilog="example:\n  autohc bench scale --model DiT-S/2 --batch-per-rank 8 --json")
+    sc.add_argument("--model", default="DiT-S/2", help="DiT size (default: DiT-S/2)")
+    sc.add_argument("--batch-per-rank", type=positive_int, default=8, help="images per rank (default: 8)")
+    sc.add_argument("--steps", type=positive_int, default=6, help="steps per run (default: 6)")
+    sc.add_argument("--warmup", type=positive_int, default=2, help="of which untimed (default: 2)")
+    sc.add_argument("--netns", nargs="*", metavar="RATE", default=None,
+                    help="also time the all-reduce between two network namespaces of this machine "
+                         "(root): one run per link rate given (e.g. 1gbit 10gbit; none: unshaped)")
+    sc.add_argument("--json", action="store_true", help="one JSON object")
     gate = bsub.add_parser(
         "gate", help="CI perf-regression gate on autohc/torch speed ratios",
         description="Measures autohc/torch speed ratios (interleaved, medians) on the DiT-XL/2 "
@@ -214,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             return bench.cmd_gate(args)
         if args.command == "bench" and args.what == "ops":
             return bench.cmd_bench_ops(args)
+        if args.command == "bench" and args.what == "scale":
+            return bench.cmd_bench_scale(args)
         if args.command in ("train", "sample", "eval") or getattr(args, "what", None) == "step":
             from . import dit as commands
             run = {"train": commands.cmd_train, "sample": commands.cmd_sample,

@@ -7,6 +7,38 @@ import sys
 from pathlib import Path
 
 
+def cmd_bench_scale(args) -> int:
+    from ..bench.scale import bench_scale
+    from ..dit.model import MODELS
+    if args.model not in MODELS:
+        raise ValueError(f"unknown model {args.model!r}; one of {', '.join(MODELS)}")
+    rates = () if args.netns is None else (tuple(args.netns) or ("",))
+    r = bench_scale(args.model, args.batch_per_rank, steps=args.steps, warmup=args.warmup,
+                    netns_rates=rates, progress=lambda m: print(f"bench scale: {m}", file=sys.stderr, flush=True))
+    if args.json:
+        print(json.dumps(r, indent=1))
+        return 0
+    ring = r["ring"]
+    print(f"{r['model']}, {r['batch_per_rank']} images per rank, 1 thread per rank")
+    print(f"  all-reduce ring model: alpha {ring['alpha'] * 1e6:.0f} us, link {1 / ring['beta'] / 1e9:.2f} GB/s, "
+          f"reduce {1 / ring['gamma'] / 1e9:.1f} GB/s; buckets {[round(b / 2**20, 1) for b in r['buckets_bytes']]} MiB")
+    print(f"  step: 1 rank {r['step_1_s']:.3f} s, 2 ranks {r['step_2_thread_s']:.3f} s (communication thread), "
+          f"{r['step_2_gloo_s']:.3f} s (gloo's threads)")
+    c = r["model_check_2"]
+    print(f"  efficiency at 2 ranks: measured {c['measured']:.2f} (gloo's threads "
+          f"{r['measured_efficiency_2_gloo']:.2f}), the model {c['predicted']:.2f}; overlap {r['overlap']:.2f}")
+    print("  predicted: " + ", ".join(f"p={p} {e:.2f}" for p, e in r["predicted_efficiency"].items()))
+    for rate, h in r["netns"].items():
+        line = ", ".join(f"{int(n) >> 10} KiB {t * 1e3:.2f} ms" for n, t in h["allreduce_s"].items())
+        model = (", model " + ", ".join(f"{t * 1e3:.2f}" for t in h["model_s"].values()) + " ms") if h["model_s"] else ""
+        print(f"  two namespaces, link {rate}: {line}{model}; fitted link {h['fitted_link_gbytes_s']} GB/s")
+    pp = r["paper"]
+    print(f"  the paper's setting ({pp['model']}, {pp['step_s']} s step, {pp['link_gbytes_s']} GB/s): "
+          + ", ".join(f"p={p} {e:.2f}" for p, e in pp["predicted_efficiency"].items())
+          + f" (paper: {pp['reported_efficiency_256']} at 256)")
+    return 0
+
+
 def cmd_gate(args) -> int:
     from ..bench import gate
     path = Path(args.baseline) if args.baseline else gate.DEFAULT_BASELINE

@@ -170,7 +170,7 @@ class CommHook:
         if use_mpi:
             from mpi4py import MPI
             self._mpi, self._comm = MPI, MPI.COMM_WORLD
-        self.buckets = 0
+        self.bucket_bytes: list[int] = []          # every bucket handed over, in order
         self._lock = threading.Lock()
 
     def _pin(self) -> None:
@@ -194,9 +194,10 @@ class CommHook:
         """The function DDP calls per bucket (register_comm_hook(None, comm_hook.hook))."""
         import torch
         fut = torch.futures.Future()
+        buf = bucket.buffer()
         with self._lock:
-            self.buckets += 1
-        self._pool.submit(self._allreduce, bucket.buffer(), fut)
+            self.bucket_bytes.append(buf.numel() * buf.element_size())
+        self._pool.submit(self._allreduce, buf, fut)
         return fut
 
     def close(self) -> None:
