@@ -216,3 +216,16 @@ def test_netns_hosts_check_the_bandwidth_term():
                    for h in netns.HOSTS)                     # torn down
     with pytest.raises(ValueError, match="link rate"):
         netns.parse_rate("fast")
+
+
+def test_training_across_two_namespace_hosts_reproduces_one_process(single, tmp_path):
+    """autohc train as a two-host job: one rank per network namespace over a 1 Gbit/s veth."""
+    from autohc.bench import netns
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        pytest.skip("network namespaces need root and iproute2")
+    out = tmp_path / "run"
+    r0, r1 = netns.run_on_hosts([*TRAIN, "--steps", "12", "--out", str(out)], netns.parse_rate("1gbit"),
+                                env=_env(), timeout=600)
+    assert r0.returncode == 0 and r1.returncode == 0, (r0.stderr[-2000:], r1.stderr[-2000:])
+    assert "data parallel over 2 ranks (torchrun)" in r0.stderr
+    _compare(single, out)

@@ -79,6 +79,24 @@ dist.shutdown()
 """
 
 
+def run_on_hosts(argv: list[str], rate_bits: int | None, *, env: dict | None = None,
+                 timeout: int = 1800) -> list[subprocess.CompletedProcess]:
+    """`python -m autohc.cli ARGV` as rank 0 in one namespace and rank 1 in the other (the
+    torchrun variables set, rank 0's address as MASTER_ADDR): a two-host job on one machine."""
+    setup(rate_bits)
+    try:
+        procs = []
+        for rank, (h, d) in enumerate(zip(HOSTS, DEVS)):
+            e = {**os.environ, **(env or {}), "GLOO_SOCKET_IFNAME": d, "RANK": str(rank),
+                 "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": ADDRS[0], "MASTER_PORT": str(PORT)}
+            procs.append(subprocess.Popen(["ip", "netns", "exec", h, sys.executable, "-m", "autohc.cli", *argv],
+                                          env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        outs = [p.communicate(timeout=timeout) for p in procs]
+        return [subprocess.CompletedProcess(p.args, p.returncode, o, e) for p, (o, e) in zip(procs, outs)]
+    finally:
+        _teardown()
+
+
 def allreduce_between_hosts(sizes, repeats: int, rate_bits: int | None, timeout: int = 600) -> dict[int, float]:
     """The all-reduce sweep with one rank in each namespace: {bytes: median seconds}."""
     setup(rate_bits)
