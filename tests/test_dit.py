@@ -215,20 +215,24 @@ def test_a_few_training_steps_on_digits_learn(tmp_path):
     assert (tmp_path / "losses.csv").read_text().count("\n") == 31
 
 
-@pytest.mark.parametrize("use_autohc", [True, False])
-def test_resume_is_bit_identical(tmp_path, use_autohc):
+@pytest.mark.parametrize("use_autohc,automem", [(True, None), (False, None), (True, "file")])
+def test_resume_is_bit_identical(tmp_path, monkeypatch, use_autohc, automem):
+    """... with AutoMem's file tier on the resumed half too (every saved tensor offloaded)."""
     import contextlib
+    monkeypatch.setenv("AUTOHC_AUTOMEM_MIN_KB", "1")
     ctx = autohc.installed if use_autohc else contextlib.nullcontext
     with ctx():
         full = Trainer(cfg(tmp_path / "full", 8, autohc=use_autohc))
         full.run(progress=False)
-        part = Trainer(cfg(tmp_path / "part", 4, autohc=use_autohc))     # checkpoint at 3 and 4
+        part = Trainer(cfg(tmp_path / "part", 4, autohc=use_autohc, automem=automem))  # ckpt at 3, 4
         part.run(progress=False)
         (tmp_path / "part" / "ckpt-00000004.pt").unlink()                # continue from step 3
-        more = Trainer(cfg(tmp_path / "part", 8, autohc=use_autohc, extra={"resume": True}))
+        more = Trainer(cfg(tmp_path / "part", 8, autohc=use_autohc, automem=automem, extra={"resume": True}))
         assert more.step == 3
         more.run(progress=False)
     assert more.losses == full.losses                                    # exact, not close
+    if automem:
+        assert more.automem.stats["offloaded"] > 0
     a, b = checkpoint.latest(tmp_path / "full")[1], checkpoint.latest(tmp_path / "part")[1]
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
@@ -255,18 +259,21 @@ import sys, autohc
 from autohc.dit.train import TrainConfig, Trainer
 autohc.install()
 Trainer(TrainConfig(model="DiT-Ti/8", data="digits", steps=10000, batch=8, out=sys.argv[1],
-                    ckpt_every=1, keep=2, extra={"resume": True})).run(progress=False)
+                    ckpt_every=1, keep=2, automem=sys.argv[2] or None,
+                    extra={"resume": True})).run(progress=False)
 """
 
 
-def test_kill_9_never_leaves_an_unloadable_checkpoint(tmp_path):
+@pytest.mark.parametrize("automem", ["", "file"])
+def test_kill_9_never_leaves_an_unloadable_checkpoint(tmp_path, automem):
     script = tmp_path / "train.py"
     script.write_text(KILL_SCRIPT)
     rng = np.random.default_rng(0)
     out = tmp_path / "run"
+    env = {**os.environ, "AUTOHC_AUTOMEM_MIN_KB": "1"}   # offload every saved tensor of 1 KiB+
     for i in range(4):
         before = max((s for s, _ in checkpoint.listing(out)), default=0)
-        p = subprocess.Popen([sys.executable, str(script), str(out)], stderr=subprocess.PIPE)
+        p = subprocess.Popen([sys.executable, str(script), str(out), automem], stderr=subprocess.PIPE, env=env)
         deadline = time.time() + 60         # wait until this run (resumed) has saved a step
         while max((s for s, _ in checkpoint.listing(out)), default=0) <= before and time.time() < deadline:
             assert p.poll() is None, p.stderr.read().decode()[-2000:]

@@ -163,6 +163,19 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also time the all-reduce between two network namespaces of this machine "
                          "(root): one run per link rate given (e.g. 1gbit 10gbit; none: unshaped)")
     sc.add_argument("--json", action="store_true", help="one JSON object")
+    me = bsub.add_parser(
+        "memory", formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="peak memory and step time without and with AutoMem",
+        description="Runs training steps of a DiT on synthetic 256px latents without and with AutoMem\n"
+                    "(saved activations moved to a tier after the forward pass, prefetched back for\n"
+                    "backward), each in its own process: peak RSS, median step time, losses compared.",
+        epilog="example:\n  autohc bench memory --model DiT-B/2 --batch 16 --tier file --json")
+    me.add_argument("--model", default="DiT-B/2", help="DiT size (default: DiT-B/2)")
+    me.add_argument("--batch", type=positive_int, default=16, help="images per step (default: 16)")
+    me.add_argument("--tier", default="file", help="file, file:DIR or bf16 (default: file)")
+    me.add_argument("--steps", type=positive_int, default=5, help="steps per run (default: 5)")
+    me.add_argument("--warmup", type=positive_int, default=2, help="of which untimed (default: 2)")
+    me.add_argument("--json", action="store_true", help="one JSON object")
     gate = bsub.add_parser(
         "gate", help="CI perf-regression gate on autohc/torch speed ratios",
         description="Measures autohc/torch speed ratios (interleaved, medians) on the DiT-XL/2 "
@@ -232,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
             return bench.cmd_gate(args)
         if args.command == "bench" and args.what == "ops":
             return bench.cmd_bench_ops(args)
+        if args.command == "bench" and args.what == "memory":
+            return bench.cmd_bench_memory(args)
         if args.command == "bench" and args.what == "scale":
             return bench.cmd_bench_scale(args)
         if args.command in ("train", "sample", "eval") or getattr(args, "what", None) == "step":

@@ -39,6 +39,24 @@ def cmd_bench_scale(args) -> int:
     return 0
 
 
+def cmd_bench_memory(args) -> int:
+    from ..bench.memory import bench_memory
+    from ..dit.model import MODELS
+    if args.model not in MODELS:
+        raise ValueError(f"unknown model {args.model!r}; one of {', '.join(MODELS)}")
+    r = bench_memory(args.model, args.batch, args.tier, steps=args.steps, warmup=args.warmup,
+                     progress=lambda m: print(f"bench memory: {m}", file=sys.stderr, flush=True))
+    if args.json:
+        print(json.dumps(r, indent=1))
+        return 0
+    print(f"{r['model']} batch {r['batch']}, AutoMem tier {r['tier']}:")
+    print(f"  peak RSS {r['baseline_peak_gb']:.2f} GB -> {r['automem_peak_gb']:.2f} GB "
+          f"({100 * r['peak_reduction']:.0f} % less)")
+    print(f"  step {r['baseline_step_s']:.3f} s -> {r['automem_step_s']:.3f} s "
+          f"({100 * r['step_overhead']:+.0f} %); max loss difference {r['loss_rel_diff']:.2e}")
+    return 0
+
+
 def cmd_gate(args) -> int:
     from ..bench import gate
     path = Path(args.baseline) if args.baseline else gate.DEFAULT_BASELINE

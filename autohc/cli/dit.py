@@ -58,6 +58,10 @@ def add_parsers(sub, bsub) -> None:
     t.add_argument("--no-comm-thread", action="store_true",
                    help="data parallel: all-reduce on gloo's own threads instead of autohc's "
                         "communication thread (pinned to the CPU plan's comm core; MPI under mpirun)")
+    t.add_argument("--automem", default=None, metavar="TIER",
+                   help="AutoMem: saved activations leave memory after the forward pass and are "
+                        "prefetched back for backward: file (a temporary directory), file:DIR "
+                        "(e.g. a local SSD) or bf16 (a bfloat16 copy: changes results slightly)")
     t.add_argument("--log-every", type=positive_int, default=50,
                    help="without a terminal (a batch job's log): a progress line every N steps (default: 50)")
     t.add_argument("--no-first-use-tuning", action="store_true",
@@ -193,6 +197,7 @@ def _train_in_group(args, launch) -> int:
                       learn_sigma=args.learn_sigma, sample_steps=args.sample_steps, cfg=args.cfg,
                       rank=launch.rank, world=launch.world,
                       comm="gloo" if args.no_comm_thread else "thread", log_every=args.log_every,
+                      automem=args.automem,
                       extra={"resume": args.resume})
     try:
         trainer = Trainer(cfg)

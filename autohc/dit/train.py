@@ -13,6 +13,7 @@ float32 reduction order. Only rank 0 writes checkpoints, logs and plots.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import csv
 import math
@@ -55,6 +56,7 @@ class TrainConfig:
     world: int = 1
     comm: str = "thread"                # data parallel: "thread" (CommHook) or "gloo" (DDP's own)
     log_every: int = 50                 # without a terminal: a log line every N steps (rank 0)
+    automem: str | None = None          # AutoMem tier for saved activations: file, file:DIR, bf16
     extra: dict = field(default_factory=dict)
 
 
@@ -135,7 +137,11 @@ class Trainer:
         else:
             self.resumed_from = None
         self.flops_per_step = 3 * cfg.batch * self.model.flops_per_image()
-        self.forward, self.comm_hook = self.model, None
+        self.forward, self.comm_hook, self.automem = self.model, None, None
+        if cfg.automem:
+            from ..runtime.automem import AutoMem
+            from ..runtime.tiers import make_tier
+            self.automem = AutoMem(make_tier(cfg.automem), self.model)
         if cfg.world > 1:
             self._data_parallel()
 
@@ -192,9 +198,10 @@ class Trainer:
         t = torch.randint(0, self.diffusion.num_timesteps, (B,), generator=self.gen)[mine]
         noise = torch.randn((B, *x.shape[1:]), generator=self.gen)[mine]
         draws = torch.rand(B)[mine] if self.cfg.class_dropout > 0 else None
-        loss = self.diffusion.training_loss(self.forward, x, t, y, noise, drop_draws=draws)
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+        with self.automem if self.automem is not None else contextlib.nullcontext():
+            loss = self.diffusion.training_loss(self.forward, x, t, y, noise, drop_draws=draws)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
         self.opt.step()
         ema_update(self.ema, self.model, self.cfg.ema, self.step)
         self.step += 1

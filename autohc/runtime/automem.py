@@ -1,0 +1,155 @@
+"""AutoMem (the DiT-HC paper's Algorithm 1), for activations: the tensors autograd saves for
+backward leave the fast tier (this process's memory) after the forward pass has made them,
+and come back, prefetched one ahead on a helper thread, before backward needs them.
+
+    with AutoMem(FileTier(dir)) as am:       # or autohc train --automem file
+        loss = model(x); loss.backward()
+
+- Hooks: torch.autograd.graph.saved_tensors_hooks. pack() hands a tensor to the helper thread,
+  which writes it to the tier and then drops the reference, so the memory is freed once
+  autograd's own references are gone; unpack() returns it (waiting for its prefetch).
+- Never offloaded: parameters (and views of them: the storage of every nn.Parameter of the
+  wrapped model is known), tensors under `min_bytes` (not worth a round trip), anything that
+  is not a dense CPU tensor.
+- Order: the first step records the order in which backward unpacks the saved tensors (by
+  their pack index); every later step prefetches, when backward unpacks one, the next one of
+  that recorded order (backward runs the forward's saves in reverse, so the recorded order is
+  that, but it is measured, not assumed).
+- Helper threads: one thread each for offload and prefetch, pinned to the CPU plan's memory
+  cores (AUTOHC_MEMORY_CORES; shared with compute on a machine too small), never the compute
+  threads. Tiers are pluggable (runtime/tiers.py): a file (mmap'able, on local SSD), a bf16
+  copy (opt-in: changes results slightly).
+"""
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from . import plan as cpu_plan
+from . import settings
+from .tiers import Tier
+
+MIN_BYTES = 1 << 20
+
+
+class _Saved:
+    """One saved tensor's way through the tier."""
+    __slots__ = ("index", "stored", "fetched", "shape", "dtype")
+
+    def __init__(self, index: int, shape, dtype):
+        self.index, self.shape, self.dtype = index, shape, dtype
+        self.stored: Future | None = None       # tier handle, once written
+        self.fetched: Future | None = None      # the tensor, once read back
+
+
+class AutoMem:
+    def __init__(self, tier: Tier, model: torch.nn.Module | None = None, *, min_bytes: int | None = None):
+        if min_bytes is None:           # AUTOHC_AUTOMEM_MIN_KB: smaller saved tensors stay
+            min_bytes = settings.non_negative_int("AUTOHC_AUTOMEM_MIN_KB", MIN_BYTES >> 10,
+                                                  "KiB (saved tensors below it stay in memory)") << 10
+        self.tier, self.min_bytes = tier, min_bytes
+        self.param_storages: set[int] = set()
+        if model is not None:
+            self.protect(model)
+        core = _memory_core()
+        self._offload = ThreadPoolExecutor(1, thread_name_prefix="autohc-automem-out",
+                                           initializer=_pin, initargs=(core,))
+        self._prefetch = ThreadPoolExecutor(1, thread_name_prefix="autohc-automem-in",
+                                            initializer=_pin, initargs=(core,))
+        self.order: list[int] | None = None     # recorded unpack order (pack indices)
+        self._unpacked: list[int] = []
+        self._saved: dict[int, _Saved] = {}
+        self._lock = threading.Lock()
+        self._hooks = None
+        self.stats = {"offloaded": 0, "offloaded_bytes": 0, "kept": 0, "prefetched": 0, "waited": 0}
+
+    def protect(self, model: torch.nn.Module) -> None:
+        """Parameters of `model` are never offloaded (nor any view of their storage)."""
+        for p in model.parameters():
+            self.param_storages.add(p.untyped_storage().data_ptr())
+
+    # ------------------------------------------------------------------ hooks
+    def _pack(self, t: torch.Tensor):
+        if (isinstance(t, torch.nn.Parameter) or t.device.type != "cpu" or t.layout != torch.strided
+                or t.untyped_storage().data_ptr() in self.param_storages
+                or t.numel() * t.element_size() < self.min_bytes):
+            self.stats["kept"] += 1
+            return t
+        with self._lock:
+            s = _Saved(len(self._saved), t.shape, t.dtype)
+            self._saved[s.index] = s
+        s.stored = self._offload.submit(self.tier.put, t)   # holds t until written
+        self.stats["offloaded"] += 1
+        self.stats["offloaded_bytes"] += t.numel() * t.element_size()
+        return s
+
+    def _fetch(self, s: _Saved) -> torch.Tensor:
+        handle = s.stored.result()
+        t = self.tier.get(handle, s.shape, s.dtype)
+        self.tier.free(handle)
+        return t
+
+    def _unpack(self, s):
+        if not isinstance(s, _Saved):
+            return s
+        self._unpacked.append(s.index)
+        if s.fetched is None:
+            self.stats["waited"] += 1
+            s.fetched = self._prefetch.submit(self._fetch, s)
+        t = s.fetched.result()
+        with self._lock:
+            self._saved.pop(s.index, None)
+        self._prefetch_after(s.index)
+        return t
+
+    def _prefetch_after(self, index: int) -> None:
+        """Start reading the tensor that backward needs after this one (recorded order)."""
+        if not self.order:
+            return
+        try:
+            nxt = self.order[self.order.index(index) + 1]
+        except (ValueError, IndexError):
+            return
+        s = self._saved.get(nxt)
+        if s is not None and s.fetched is None:
+            s.fetched = self._prefetch.submit(self._fetch, s)
+            self.stats["prefetched"] += 1
+
+    # --------------------------------------------------------------- context
+    def __enter__(self) -> "AutoMem":
+        self._saved.clear()
+        self._unpacked = []
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+        self._hooks = None
+        if self.order is None and self._unpacked:
+            self.order = list(self._unpacked)         # the warm-up step's backward order
+        for s in list(self._saved.values()):          # saved but never used: drop from the tier
+            if s.stored is not None:
+                try:
+                    self.tier.free(s.stored.result())
+                except Exception:                      # a failed write has nothing to free
+                    pass
+        self._saved.clear()
+
+    def close(self) -> None:
+        self._offload.shutdown(wait=True)
+        self._prefetch.shutdown(wait=True)
+        self.tier.close()
+
+
+def _memory_core() -> int | None:
+    p = cpu_plan.current()
+    return p.memory[0] if p.memory else None
+
+
+def _pin(core: int | None) -> None:
+    if core is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {core})
