@@ -3,13 +3,17 @@ own (peak RSS is per process), on synthetic 256 px latents: peak RSS, median ste
 losses of the same steps compared."""
 from __future__ import annotations
 
+import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
 
-def _run(job: dict, results) -> None:
+def run_job(job: dict) -> dict:
+    """One mode's steps in this process (the child of `_measure`)."""
     import torch
     import autohc
     from ..dit.train import TrainConfig, Trainer, peak_rss_gb
@@ -30,24 +34,27 @@ def _run(job: dict, results) -> None:
                "stats": dict(tr.automem.stats) if tr.automem else None}
         if tr.automem:
             tr.automem.close()
-    results.put(out)
-
-
-def _spawn(job: dict) -> dict:
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=_run, args=(job, q))
-    p.start()
-    try:
-        out = q.get(timeout=3600)
-    finally:
-        p.join(timeout=60)
-        if p.is_alive():
-            p.kill()
-    if p.exitcode:
-        raise RuntimeError(f"the {job['tier'] or 'baseline'} run exited with status {p.exitcode}")
     return out
+
+
+CHILD = "import json, sys; from autohc.bench.memory import run_job; print(json.dumps(run_job(json.loads(sys.argv[1]))))"
+
+
+def _measure(job: dict) -> dict:
+    """A fresh interpreter per mode: peak RSS is per process, and AutoMem's run starts as
+    `autohc train --automem` does, with glibc's mmap threshold fixed before the first
+    allocation (runtime/automem.py: fixed_mmap_threshold); the baseline runs with glibc's
+    defaults, as users run it."""
+    from ..runtime.automem import min_bytes_setting
+    env = dict(os.environ)
+    if job["tier"]:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(max(min_bytes_setting(), 128 << 10))
+    r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(job)], env=env, capture_output=True,
+                       text=True, timeout=7200)
+    if r.returncode:
+        last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"status {r.returncode}"
+        raise RuntimeError(f"the {job['tier'] or 'baseline'} run failed: {last}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def bench_memory(model: str = "DiT-B/2", batch: int = 16, tier: str = "file", *, steps: int = 5,
@@ -59,9 +66,9 @@ def bench_memory(model: str = "DiT-B/2", batch: int = 16, tier: str = "file", *,
     say = progress or (lambda m: None)
     job = {"model": model, "batch": batch, "steps": steps, "warmup": warmup, "threads": threads}
     say(f"{model} batch {batch}: baseline")
-    base = _spawn({**job, "tier": None})
+    base = _measure({**job, "tier": None})
     say(f"{model} batch {batch}: AutoMem, tier {tier}")
-    am = _spawn({**job, "tier": tier})
+    am = _measure({**job, "tier": tier})
     diff = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(base["losses"], am["losses"]))
     return {"model": model, "batch": batch, "tier": tier, "steps": steps,
             "baseline_peak_gb": round(base["peak_gb"], 3), "automem_peak_gb": round(am["peak_gb"], 3),

@@ -121,7 +121,6 @@ def allreduce_sweep(sizes, repeats) -> dict:
 def _steps(job: dict, rank: int, world: int) -> dict:
     import autohc
     from ..dit.train import TrainConfig, Trainer
-    from ..runtime import dist
     with tempfile.TemporaryDirectory() as tmp, autohc.installed(threads=1, first_use_tuning=False):
         cfg = TrainConfig(model=job["model"], data="synthetic", steps=10**9, batch=job["batch"] * world,
                           out=os.path.join(tmp, "run"), ckpt_every=10**9, image_size=job["image_size"],
@@ -141,7 +140,7 @@ def _steps(job: dict, rank: int, world: int) -> dict:
             # the last step's buckets (DDP all-reduces one bucket in its first step, then
             # rebuilds them in the order gradients became ready)
             buckets = list(tr.comm_hook.bucket_bytes[before:])
-        dist.average(0.0)                               # every rank done before the teardown
+        tr.end_data_parallel()                          # every rank done, DDP before the group
         return {"step_s": statistics.median(times[job["warmup"]:]), "times": times, "buckets": buckets}
 
 

@@ -218,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     if words[:1] in (["train"], ["sample"], ["eval"]) and "--no-autohc" not in words:
         from ..runtime import omp
         omp.prefer_short_spin()         # before anything imports torch: autohc/runtime/omp.py
+    if words[:1] == ["train"] and any(w == "--automem" or w.startswith("--automem=") for w in words):
+        from ..runtime import automem   # glibc's mmap threshold, before torch's first blocks
+        automem.fixed_mmap_threshold(automem.min_bytes_setting())
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "bench" and not getattr(args, "contended", True):

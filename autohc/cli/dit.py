@@ -226,6 +226,7 @@ def _train_in_group(args, launch) -> int:
     finally:
         if trainer.comm_hook is not None:
             trainer.comm_hook.close()
+    trainer.end_data_parallel()
     if launch.rank != 0:                # rank 0 plots, samples and reports
         return 0
     out = Path(args.out)

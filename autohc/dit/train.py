@@ -155,6 +155,22 @@ class Trainer:
             self.comm_hook = dist.CommHook(use_mpi=dist.comm_over_mpi())
             self.forward.register_comm_hook(None, self.comm_hook.hook)
 
+    def end_data_parallel(self) -> None:
+        """After the last step, on every rank: wait for the others, drop the DDP wrapper (its
+        reducer's threads) and then the process group, in that order: a process group torn
+        down under a live reducer aborts the process ("terminate called without an active
+        exception"). The model, EMA and checkpoints stay usable (rank 0 samples after this)."""
+        if self.cfg.world == 1:
+            return
+        import gc
+        from ..runtime import dist
+        dist.average(0.0)
+        if self.comm_hook is not None:
+            self.comm_hook.close()
+        self.forward = self.model
+        gc.collect()
+        dist.shutdown()
+
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict:
         return {"format": "autohc-dit-1", "arch": self.arch, "config": asdict(self.cfg),
