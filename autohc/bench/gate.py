@@ -33,24 +33,28 @@ def _key(p, threads: int) -> str:
     return f"{p.name}/{p.layout}/{p.M}x{p.K}x{p.N}/t{threads}"
 
 
-def measure_ratios(repeats: int = 5, rounds: int = 3, progress=None,
-                   only: set[str] | None = None) -> dict[str, float]:
-    """Median over `rounds` of each problem's autohc/torch ratio (`only`: these keys)."""
-    out = {}
+def _cases(only: set[str] | None):
+    """(key, problem, threads, params) of every gate problem this machine can run (`only`:
+    these keys). params: the default configuration, the same kernel on every machine of a CPU
+    model whatever its registry holds."""
     for threads in GATE_THREADS:
         if threads > cpu.detect().cores:
             continue
         for p in gate_problems():
-            if only is not None and _key(p, threads) not in only:
-                continue
-            # the default configuration: the same kernel on every machine of a CPU model,
-            # whatever its registry holds
-            params = default_kernel_params(threads)
-            rs = [bench_problem(p, threads, repeats=repeats, with_numpy=False, params=params)
-                  .speedup_vs_torch for _ in range(rounds)]
-            out[_key(p, threads)] = round(statistics.median(rs), 3)
-            if progress:
-                progress(_key(p, threads), out[_key(p, threads)])
+            if only is None or _key(p, threads) in only:
+                yield _key(p, threads), p, threads, default_kernel_params(threads)
+
+
+def measure_ratios(repeats: int = 5, rounds: int = 3, progress=None,
+                   only: set[str] | None = None) -> dict[str, float]:
+    """Median over `rounds` of each problem's autohc/torch ratio (`only`: these keys)."""
+    out = {}
+    for key, p, threads, params in _cases(only):
+        rs = [bench_problem(p, threads, repeats=repeats, with_numpy=False, params=params)
+              .speedup_vs_torch for _ in range(rounds)]
+        out[key] = round(statistics.median(rs), 3)
+        if progress:
+            progress(key, out[key])
     return out
 
 
@@ -59,25 +63,18 @@ def measure_floor(repeats: int = 5, rounds: int = 3, progress=None,
     """Per gate problem: autohc / max(torch, numpy) (median over `rounds`) and the spread
     (median over rounds of the larger of autohc's and the faster library's IQR / median)."""
     out = {}
-    for threads in GATE_THREADS:
-        if threads > cpu.detect().cores:
-            continue
-        for p in gate_problems():
-            key = _key(p, threads)
-            if only is not None and key not in only:
-                continue
-            params = default_kernel_params(threads)
-            ratios, spreads = [], []
-            for _ in range(rounds):
-                r = bench_problem(p, threads, repeats=repeats, params=params)
-                best_is_torch = r.torch_gflops >= r.numpy_gflops
-                ratios.append(r.gflops / max(r.torch_gflops, r.numpy_gflops))
-                best_spread = r.torch_spread_pct if best_is_torch else r.numpy_spread_pct
-                spreads.append(max(r.spread_pct, best_spread) / 100)
-            out[key] = {"ratio": round(statistics.median(ratios), 3),
-                        "spread": round(statistics.median(spreads), 3)}
-            if progress:
-                progress(key, out[key]["ratio"])
+    for key, p, threads, params in _cases(only):
+        ratios, spreads = [], []
+        for _ in range(rounds):
+            r = bench_problem(p, threads, repeats=repeats, params=params)
+            best_is_torch = r.torch_gflops >= r.numpy_gflops
+            ratios.append(r.gflops / max(r.torch_gflops, r.numpy_gflops))
+            best_spread = r.torch_spread_pct if best_is_torch else r.numpy_spread_pct
+            spreads.append(max(r.spread_pct, best_spread) / 100)
+        out[key] = {"ratio": round(statistics.median(ratios), 3),
+                    "spread": round(statistics.median(spreads), 3)}
+        if progress:
+            progress(key, out[key]["ratio"])
     return out
 
 

@@ -19,7 +19,6 @@ setting (stated in the output).
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -77,12 +76,6 @@ def measure_gamma(nbytes: int = 1 << 24, repeats: int = 20) -> float:
     return statistics.median(t) / nbytes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank: int, world: int, port: int, job: dict, results) -> None:
     """One rank of a measurement (a spawned process)."""
     import torch
@@ -134,13 +127,10 @@ def _steps(job: dict, rank: int, world: int) -> dict:
             t0 = time.perf_counter()
             tr.train_step()
             times.append(time.perf_counter() - t0)
-        buckets = []
-        if tr.comm_hook is not None:
-            tr.comm_hook.close()
-            # the last step's buckets (DDP all-reduces one bucket in its first step, then
-            # rebuilds them in the order gradients became ready)
-            buckets = list(tr.comm_hook.bucket_bytes[before:])
-        tr.end_data_parallel()                          # every rank done, DDP before the group
+        # the last step's buckets (DDP all-reduces one bucket in its first step, then rebuilds
+        # them in the order gradients became ready)
+        buckets = list(tr.comm_hook.bucket_bytes[before:]) if tr.comm_hook is not None else []
+        tr.end_data_parallel()          # every rank done; the hook's thread, DDP, then the group
         return {"step_s": statistics.median(times[job["warmup"]:]), "times": times, "buckets": buckets}
 
 
@@ -148,7 +138,8 @@ def _spawn(world: int, job: dict) -> dict:
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    from ..runtime.dist import free_port
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, job, results)) for r in range(world)]
     for p in procs:
         p.start()

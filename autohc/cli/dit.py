@@ -223,9 +223,11 @@ def _train_in_group(args, launch) -> int:
         print(f"autohc: rank {launch.rank} of {launch.world}: a data-parallel step failed "
               f"(another rank died or hung?): {first}", file=sys.stderr)
         return 1
-    finally:
+    finally:                            # helper threads (and the file tier's folder) go
         if trainer.comm_hook is not None:
             trainer.comm_hook.close()
+        if trainer.automem is not None:
+            trainer.automem.close()
     trainer.end_data_parallel()
     if launch.rank != 0:                # rank 0 plots, samples and reports
         return 0

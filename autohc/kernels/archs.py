@@ -116,7 +116,7 @@ def derived_blocks(default: dict, info: cpu.CpuInfo) -> dict:
 def gemm_default(isa: str, arch: Arch | None = None, info: cpu.CpuInfo | None = None) -> dict:
     """GemmParams fields (without threads) of the default for `isa` on `arch` (this CPU's)."""
     info = info or cpu.detect()
-    src, entry = _gemm_entry(isa, arch or select(info))
+    _, entry = _gemm_entry(isa, arch or select(info))
     values = dict(entry["default"])
     if entry.get("derive_blocks"):
         values = derived_blocks(values, info)

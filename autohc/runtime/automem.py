@@ -24,7 +24,6 @@ and come back, prefetched one ahead on a helper thread, before backward needs th
 """
 from __future__ import annotations
 
-import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -65,9 +64,9 @@ class AutoMem:
             self.protect(model)
         core = _memory_core()
         self._offload = ThreadPoolExecutor(1, thread_name_prefix="autohc-automem-out",
-                                           initializer=_pin, initargs=(core,))
+                                           initializer=cpu_plan.pin_this_thread, initargs=(core,))
         self._prefetch = ThreadPoolExecutor(1, thread_name_prefix="autohc-automem-in",
-                                            initializer=_pin, initargs=(core,))
+                                            initializer=cpu_plan.pin_this_thread, initargs=(core,))
         self.order: list[int] | None = None     # recorded unpack order (pack indices)
         self._unpacked: list[int] = []
         self._saved: dict[int, _Saved] = {}
@@ -195,7 +194,3 @@ def _memory_core() -> int | None:
     p = cpu_plan.current()
     return p.memory[0] if p.memory else None
 
-
-def _pin(core: int | None) -> None:
-    if core is not None and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {core})

@@ -86,7 +86,7 @@ def timeout_s() -> int:
                                      "seconds a collective may wait for the other ranks") or DEFAULT_TIMEOUT_S
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
@@ -100,7 +100,7 @@ def _mpi_rendezvous(launch: Launch) -> tuple[str, int]:
         raise LaunchError(f"MPI says rank {comm.Get_rank()} of {comm.Get_size()}, the launcher's "
                           f"environment rank {launch.rank} of {launch.world}")
     mine = (launch.master_addr or socket.gethostbyname(socket.gethostname()),
-            launch.master_port or _free_port()) if launch.rank == 0 else None
+            launch.master_port or free_port()) if launch.rank == 0 else None
     return comm.bcast(mine, root=0)
 
 
@@ -165,18 +165,13 @@ class CommHook:
         self.use_mpi = use_mpi
         self.core = core if core is not None else _comm_core()
         self.group = None if use_mpi else dist.new_group(backend="gloo")
-        self.pinned: int | None = None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="autohc-comm", initializer=self._pin)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="autohc-comm",
+                                        initializer=cpu_plan.pin_this_thread, initargs=(self.core,))
         if use_mpi:
             from mpi4py import MPI
             self._mpi, self._comm = MPI, MPI.COMM_WORLD
         self.bucket_bytes: list[int] = []          # every bucket handed over, in order
         self._lock = threading.Lock()
-
-    def _pin(self) -> None:
-        if self.core is not None and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, {self.core})        # 0: this thread only (Linux)
-            self.pinned = self.core
 
     def _allreduce(self, buf, fut) -> None:
         import torch.distributed as dist

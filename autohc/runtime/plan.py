@@ -14,6 +14,7 @@ of a kernel's work (GEMM JC ways, operator row blocks) land on one node.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 from ..hw import cpu
@@ -55,3 +56,10 @@ def make_plan(info: cpu.CpuInfo | None = None, comm_cores: int | None = None,
 def current() -> CpuPlan:
     """This process's plan (computed once)."""
     return make_plan()
+
+
+def pin_this_thread(core: int | None) -> None:
+    """Run the calling thread (not the process) on `core`, e.g. a helper thread on the core
+    its role was given; None leaves it where it is."""
+    if core is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {core})         # 0: the calling thread (Linux)

@@ -136,16 +136,18 @@ def on_miss(layout: str, M: int, K: int, N: int, threads: int) -> GemmParams | N
     with _lock:
         t = _tunings.get(key)
         if t is None:
-            t = _tunings[key] = _start(layout, M, K, N, threads)
+            _tunings[key] = _start(layout, M, K, N, threads)
             return None
-        if t.state != "ready":
-            return t.chosen
-        t.state = "racing"
-    _race_safely(t)
+    _race_if_ready(t)
     return t.chosen
 
 
-def _race_safely(t: Tuning) -> None:
+def _race_if_ready(t: Tuning) -> None:
+    """Race `t` here if its compiles are done and no other thread has claimed it."""
+    with _lock:
+        if t.state != "ready":
+            return
+        t.state = "racing"
     try:
         _race(t)
     except Exception as e:              # tuning must never break the caller's GEMM
@@ -214,14 +216,10 @@ def finish_pending() -> float:
     spent. `autohc bench step` calls it between steps, so that its timed steps run what first
     use settled on, and reports that time apart."""
     t0 = time.perf_counter()
-    for key, t in tunings().items():
+    for t in tunings().values():
         if t.thread is not None:
             t.thread.join()
-        with _lock:
-            if t.state != "ready":
-                continue
-            t.state = "racing"
-        _race_safely(t)
+        _race_if_ready(t)
     return time.perf_counter() - t0
 
 
