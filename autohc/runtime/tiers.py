@@ -12,9 +12,7 @@ tier, and how it comes back.
 """
 from __future__ import annotations
 
-import itertools
 import os
-import shutil
 import tempfile
 import threading
 from typing import Protocol
@@ -41,11 +39,9 @@ class FileTier:
     name = "file"
 
     def __init__(self, directory: str | os.PathLike | None = None):
-        base = None if directory is None else os.fspath(directory)
-        if base is not None:
-            os.makedirs(base, exist_ok=True)
-        self.dir = tempfile.mkdtemp(prefix="autohc-automem-", dir=base)
-        self._ids = itertools.count()
+        self.dir = None if directory is None else os.fspath(directory)   # None: the system's temp
+        if self.dir is not None:
+            os.makedirs(self.dir, exist_ok=True)
         self._free: dict[int, list[int]] = {}        # size -> open file descriptors to reuse
         self._lock = threading.Lock()
 
@@ -56,9 +52,8 @@ class FileTier:
             fds = self._free.get(size)
             fd = fds.pop() if fds else None
         if fd is None:
-            path = os.path.join(self.dir, f"{next(self._ids)}.bin")
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            os.unlink(path)                          # gone with the descriptor, even on a crash
+            fd, path = tempfile.mkstemp(prefix="autohc-automem-", suffix=".bin", dir=self.dir)
+            os.unlink(path)             # nothing left on disk once the descriptor closes, even on a crash
         view, done = memoryview(data), 0
         while done < size:
             done += os.pwrite(fd, view[done:], done)
@@ -86,7 +81,6 @@ class FileTier:
                 for fd in fds:
                     os.close(fd)
             self._free.clear()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class Bf16Tier:
