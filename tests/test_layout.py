@@ -167,10 +167,11 @@ def test_gemm_params_read_earlier_registries():
     assert EltwiseParams.from_dict({"isa": "avx2", "vl": 8, "unroll": 2, "nt": True}).stream_stores
 
 
-def test_both_families_implement_the_interface():
+def test_every_family_implements_the_interface():
+    from autohc.kernels.attention.family import ATTENTION
     from autohc.kernels.eltwise.family import ELTWISE
     from autohc.kernels.gemm.family import GEMM
-    for fam in (GEMM, ELTWISE):
+    for fam in (GEMM, ELTWISE, ATTENTION):
         assert isinstance(fam, family.KernelFamily)
         for kernel in fam.kernels():
             p = fam.default("avx2", 2)
@@ -180,5 +181,6 @@ def test_both_families_implement_the_interface():
             assert set(fam.knobs(kernel)) <= set(p.to_dict())
     assert GEMM.problem_key("NT", 1152, 4608, 1400, 2) == "gemm/NT/K1152/N4608/M1024/t2"
     assert ELTWISE.problem_key("softmax_fwd", 2) == "eltwise/softmax_fwd/t2"
+    assert ATTENTION.problem_key("attention", 2) == "attention/attention/t2"
     space = {k for k in isa_entries(load_space("eltwise"), "avx512")}
     assert space <= {k for ks in KERNELS.values() for k in ks}     # no knob no kernel reads

@@ -117,15 +117,15 @@ class LabelEmbedder(nn.Module):
 
 
 class Attention(nn.Module):
-    """timm's Attention (qkv bias, no qk-norm): explicit bmm + softmax so that autohc's GEMM
-    and softmax kernels serve it when installed."""
+    """timm's Attention (qkv bias, no qk-norm), through F.scaled_dot_product_attention as the
+    reference DiT and timm write it: torch's CPU flash kernel when stock, autohc's fused
+    attention kernel under autohc.install()."""
 
     def __init__(self, dim: int, heads: int):
         super().__init__()
         if dim % heads:
             raise ValueError(f"hidden size {dim} is not a multiple of the head count {heads}")
         self.heads = heads
-        self.scale = (dim // heads) ** -0.5
         self.qkv = nn.Linear(dim, dim * 3, bias=True)
         self.proj = nn.Linear(dim, dim, bias=True)
 
@@ -133,10 +133,8 @@ class Attention(nn.Module):
         B, T, D = x.shape
         qkv = self.qkv(x).reshape(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
-        attn = (q * self.scale) @ k.transpose(-2, -1)
-        attn = attn.softmax(dim=-1)
-        x = (attn @ v).transpose(1, 2).reshape(B, T, D)
-        return self.proj(x)
+        x = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(x.transpose(1, 2).reshape(B, T, D))
 
 
 class Mlp(nn.Module):

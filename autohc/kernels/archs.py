@@ -3,7 +3,7 @@ config/<arch>), the entry this CPU matches, and what it gives each kernel family
 
 An entry names what the CPU must report (`match`: vendor, x86 family, model ranges, flags that
 must be there or not), and per back-end the GEMM default, the candidates that the tuner starts
-from and first-use tuning races, and the element-wise default. The most specific matching entry
+from and first-use tuning races, and the element-wise and attention defaults. The most specific matching entry
 wins; `generic` matches every CPU. A back-end an entry does not list comes from `generic`.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ..hw import cpu
 from .family import ParamError
 
 MATCH_KEYS = ("vendor", "family", "models", "flags", "without")
-ENTRY_KEYS = {"name", "title", "match", "gemm", "eltwise"}
+ENTRY_KEYS = {"name", "title", "match", "gemm", "eltwise", "attention"}
 GEMM_KEYS = {"default", "candidates", "source", "derive_blocks"}
 
 
@@ -31,6 +31,7 @@ class Arch:
     match: dict
     gemm: dict = field(default_factory=dict)      # isa -> {default, candidates, source, ...}
     eltwise: dict = field(default_factory=dict)   # isa -> EltwiseParams fields
+    attention: dict = field(default_factory=dict)  # isa -> AttentionParams fields
 
     def matches(self, info: cpu.CpuInfo) -> bool:
         m = self.match
@@ -63,7 +64,7 @@ def _check(path: Path, d) -> Arch:
         if not isinstance(g, dict) or "default" not in g or set(g) - GEMM_KEYS:
             raise ValueError(f"{path}: gemm.{isa} needs a default and takes only {sorted(GEMM_KEYS)}")
     return Arch(d["name"], d.get("title", d["name"]), d["match"], d.get("gemm") or {},
-                d.get("eltwise") or {})
+                d.get("eltwise") or {}, d.get("attention") or {})
 
 
 @functools.lru_cache(maxsize=None)
@@ -132,6 +133,11 @@ def gemm_candidates(isa: str, arch: Arch | None = None) -> list[dict]:
 def eltwise_default(isa: str, arch: Arch | None = None) -> dict:
     arch = arch or select()
     return dict(arch.eltwise.get(isa) or by_name("generic").eltwise.get(isa) or {})
+
+
+def attention_default(isa: str, arch: Arch | None = None) -> dict:
+    arch = arch or select()
+    return dict(arch.attention.get(isa) or by_name("generic").attention.get(isa) or {})
 
 
 def describe(info: cpu.CpuInfo | None = None) -> dict:

@@ -1,5 +1,6 @@
 """Drop-in override: `autohc.install()` makes unmodified torch code run its GEMMs (and the fused
-operators of autohc/torch/ops.py) on autohc.
+operators of autohc/torch/ops.py, and F.scaled_dot_product_attention through
+autohc/torch/attention.py) on autohc.
 
 We register CPU kernels for aten::mm, aten::addmm, aten::bmm and aten::baddbmm through
 torch.library (the supported extension point; no Python attribute is patched). They sit below
@@ -29,6 +30,7 @@ from ..runtime import omp
 from ..runtime.memory import fresh_empty
 from ..tune import first_use
 from . import fallback
+from .attention import ATEN_IMPLS as ATTENTION_IMPLS
 from .ops import ATEN_IMPLS
 from .threads import kernel_threads, set_kernel_threads
 
@@ -170,7 +172,8 @@ def install(threads: int | None = None, torch_threads: int | str | None = "auto"
             lib.impl("addmm", _addmm, "CPU")
             lib.impl("bmm", _bmm, "CPU")
             lib.impl("baddbmm", _baddbmm, "CPU")
-            for name, fn in ATEN_IMPLS.items():     # the fused operators, forward and backward
+            # the fused operators and attention (SDPA's CPU flash op), forward and backward
+            for name, fn in {**ATEN_IMPLS, **ATTENTION_IMPLS}.items():
                 lib.impl(name, fn, "CPU")
         _state["lib"] = lib
 

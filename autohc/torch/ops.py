@@ -26,7 +26,6 @@ import torch
 from ..hw import cpu
 from ..kernels.eltwise import KERNELS, EltwiseParams, default_eltwise
 from ..kernels.eltwise.codegen import library
-from ..kernels.gemm.params import ParamError
 from ..runtime.memory import fresh_like as _fresh_like
 from ..tune import registry
 from . import fallback
@@ -50,15 +49,8 @@ def params_for(kernel: str) -> EltwiseParams:
     this CPU and thread count (`autohc tune --op`), else the default."""
     if kernel in _forced:
         return _forced[kernel]
-    entry = registry.lookup_op("eltwise", kernel, kernel_threads())
-    if entry is not None:
-        try:
-            p = EltwiseParams.from_dict(entry["params"])
-            if p.isa in cpu.runnable_isas():
-                return p
-        except (ParamError, TypeError):
-            pass            # an invalid entry is ignored, as for GEMMs
-    return default_eltwise(cpu.best_isa())
+    return (registry.tuned_op_params("eltwise", kernel, kernel_threads())
+            or default_eltwise(cpu.best_isa()))
 
 
 def kernel_fn(kernel: str, params: EltwiseParams | None = None):

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..build import atomic_write_text, cache_dir
 from ..hw import cpu
+from ..kernels.attention.family import ATTENTION
 from ..kernels.eltwise.family import ELTWISE
 from ..kernels.gemm.family import GEMM, m_bucket
 from ..kernels.gemm.params import GemmParams, ParamError
@@ -162,13 +163,17 @@ def entries_for_this_cpu(op: str | None = None) -> dict:
     return {k: e for k, e in entries.items() if op is None or k.startswith(f"{op}/")}
 
 
-# ------------------------------------------- element-wise operators (autohc tune --op NAME)
+# ------------------------- element-wise operators and attention (autohc tune --op NAME)
+
+OP_FAMILIES = {f.name: f for f in (ELTWISE, ATTENTION)}
+
 
 def op_key(op: str, kernel: str, threads: int) -> str:
-    """The key of an operator kernel (the family's own, kernels/eltwise/family.py)."""
-    if op != ELTWISE.name:
+    """The key of an operator kernel (its family's own: kernels/eltwise/family.py,
+    kernels/attention/family.py)."""
+    if op not in OP_FAMILIES:
         raise ValueError(f"no operator key for op {op!r}")
-    return ELTWISE.problem_key(kernel, threads)
+    return OP_FAMILIES[op].problem_key(kernel, threads)
 
 
 def record_op(op: str, kernel: str, threads: int, params: dict, ms: float, torch_ms: float,
@@ -192,6 +197,19 @@ def lookup_op(op: str, kernel: str, threads: int) -> dict | None:
     if key not in lookups:
         lookups[key] = entries.get(op_key(op, kernel, threads))
     return lookups[key]
+
+
+def tuned_op_params(op: str, kernel: str, threads: int):
+    """The recorded parameters of a kernel, parsed by its family's Params type, or None where
+    none are recorded or they are invalid or not runnable here (ignored, as for GEMMs)."""
+    entry = lookup_op(op, kernel, threads)
+    if entry is None:
+        return None
+    try:
+        p = OP_FAMILIES[op].params_type.from_dict(entry["params"])
+    except (ParamError, TypeError):
+        return None
+    return p if p.isa in cpu.runnable_isas() else None
 
 
 def _store(key: str, entry: dict) -> None:

@@ -1,0 +1,71 @@
+"""Typed, validated parameters of the fused attention kernel (templates/ops/attention.c.j2)."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+from ...hw import cpu
+from .. import archs
+from ..family import ParamError
+from ..isa import ISAS
+
+KERNEL = "attention"        # one source holds the forward and the backward pass
+
+
+@dataclass(frozen=True)
+class AttentionParams:
+    isa: str = "avx2"
+    vl: int = 8                 # fp32 lanes per vector
+    block_q: int = 64           # query rows per block (one thread's S block is block_q x block_k)
+    block_k: int = 256          # keys per block: a multiple of kv * vl
+    mr: int = 4                 # rows per micro-tile (scores and products)
+    kv: int = 2                 # key vectors per score micro-tile
+    dc: int = 3                 # head-dim vectors per product micro-tile
+    threads: int = 0            # most threads a call splits over: 0 = all it is given
+
+    def validate(self) -> "AttentionParams":
+        for name in ("vl", "block_q", "block_k", "mr", "kv", "dc", "threads"):
+            if type(getattr(self, name)) is not int:
+                raise ParamError(f"{name}={getattr(self, name)!r}: an int")
+        if self.isa not in ISAS:
+            raise ParamError(f"isa={self.isa!r}: one of {tuple(ISAS)}")
+        spec = ISAS[self.isa]
+        if self.vl not in spec.vector_lanes:
+            raise ParamError(f"vl={self.vl}: {self.isa} takes one of {spec.vector_lanes}")
+        if not 1 <= self.mr <= 16 or not 1 <= self.kv <= 8 or not 1 <= self.dc <= 15:
+            raise ParamError(f"mr={self.mr}, kv={self.kv}, dc={self.dc}: mr in [1, 16], kv in [1, 8], dc in [1, 15]")
+        # accumulators + the loaded row must fit the vector registers, or the tile spills
+        for name, tile in (("mr*kv", self.mr * self.kv + self.kv), ("mr*dc", self.mr * self.dc + self.dc)):
+            if tile > spec.registers:
+                raise ParamError(f"{name} tile needs {tile} vector registers; {self.isa} has {spec.registers}")
+        if not 1 <= self.block_q <= 1024:
+            raise ParamError(f"block_q={self.block_q}: an int in [1, 1024]")
+        if not 1 <= self.block_k <= 8192 or self.block_k % (self.kv * self.vl):
+            raise ParamError(f"block_k={self.block_k}: a multiple of kv*vl = {self.kv * self.vl} in [1, 8192]")
+        if not 0 <= self.threads <= 1024:
+            raise ParamError(f"threads={self.threads}: an int in [0, 1024] (0: all)")
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "AttentionParams":
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ParamError(f"unknown attention parameter(s): {sorted(unknown)}")
+        return cls(**d).validate()
+
+    def symbol(self) -> str:
+        """C prefix of the kernel's functions: unique per parameter set."""
+        return (f"autohc_attn_{self.isa}_v{self.vl}_q{self.block_q}_k{self.block_k}_m{self.mr}"
+                f"_kv{self.kv}_d{self.dc}_t{self.threads}")
+
+
+@functools.lru_cache(maxsize=None)
+def default_attention(isa: str | None = None) -> AttentionParams:
+    """Parameters that work before any tuning: the per-microarchitecture table's entry for
+    `isa` (this CPU's best ISA when none is named)."""
+    isa = isa or cpu.best_isa()
+    return AttentionParams(isa=isa, **archs.attention_default(isa)).validate()
