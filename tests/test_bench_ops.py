@@ -3,7 +3,7 @@ import json
 
 import torch
 
-from autohc.bench.ops import op_cases
+from autohc.bench.ops import attention_cases, op_cases
 from autohc.cli import main
 
 
@@ -17,11 +17,24 @@ def test_each_case_computes_what_its_torch_baseline_computes():
         assert nbytes > 0 and "x" in shape
 
 
+def test_attention_cases_compute_what_torch_flash_attention_computes():
+    cases = attention_cases(images=1)
+    assert [c[0] for c in cases] == ["attention", "attention_backward", "attention_s2", "attention_backward_s2"]
+    for name, shape, nbytes, flops, mine, theirs in cases:
+        a, b = mine(), theirs()
+        for u, v in zip(a, b):
+            torch.testing.assert_close(u, v.reshape(u.shape), rtol=1e-4, atol=1e-5, msg=name)
+        assert flops > 0 and nbytes > 0
+
+
 def test_bench_ops_json(capsys):
     assert main(["bench", "ops", "--images", "1", "--repeats", "1", "--adamw-params", "100000",
-                 "--ops", "gelu_tanh", "layernorm_modulate_backward", "adamw", "--json"]) == 0
+                 "--ops", "gelu_tanh", "layernorm_modulate_backward", "attention_s2",
+                 "attention_backward_s2", "adamw", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
-    assert [w["name"] for w in r["rows"]] == ["gelu_tanh", "layernorm_modulate_backward", "adamw"]
+    assert [w["name"] for w in r["rows"]] == ["gelu_tanh", "layernorm_modulate_backward", "attention_s2",
+                                              "attention_backward_s2", "adamw"]
+    assert all(w["gflops"] > 0 for w in r["rows"] if w["name"].startswith("attention"))
     for w in r["rows"]:
         assert {"name", "ms", "torch_ms", "speedup", "gbps"} <= w.keys()
         assert w["ms"] > 0 and w["torch_ms"] > 0 and abs(w["speedup"] - w["torch_ms"] / w["ms"]) < 1e-9

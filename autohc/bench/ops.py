@@ -1,6 +1,8 @@
 """`autohc bench ops`: each generated operator on DiT-XL/2-sized tensors (8 images: 2048 x 1152
 tokens x hidden, 2048 x 4608 MLP activations, 8 x 16 x 256 x 256 attention scores) against
-torch eager, and autohc.optim.AdamW against torch.optim.AdamW (fused=True and foreach=True)
+torch eager; fused attention forward and backward at DiT-XL/2 (16 heads of 72) and DiT-S/2
+(6 heads of 64) shapes against torch's CPU flash attention (what
+F.scaled_dot_product_attention runs), with GFLOP/s; and autohc.optim.AdamW against torch.optim.AdamW (fused=True and foreach=True)
 over the 675M parameters of DiT-XL/2.
 
 The autohc and torch versions of an op are timed by the one protocol (bench/timing.py:
@@ -35,6 +37,8 @@ class OpRow:
     torch_gbps: float
     baseline: str           # what torch_ms measured
     spread_pct: float = 0.0  # autohc's spread (IQR / median, %)
+    gflops: float | None = None         # compute-bound ops (attention): autohc's GFLOP/s
+    torch_gflops: float | None = None
 
 
 def copy_bandwidth_gbps(mbytes: int = 512) -> float:
@@ -96,6 +100,37 @@ def op_cases(images: int = 8):
     ]
 
 
+ATTENTION_SHAPES = {"": (16, 72), "_s2": (6, 64)}     # DiT-XL/2, DiT-S/2: heads, head dim
+
+
+def attention_cases(images: int = 8):
+    """(name, shape, bytes, flops, autohc callable, torch callable): forward and backward of
+    attention over q, k, v viewed in one qkv tensor as DiT makes them, against torch's CPU
+    flash-attention op and its backward."""
+    from ..torch import attention
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    T = 256
+    out = []
+    for suffix, (heads, hd) in ATTENTION_SHAPES.items():
+        g = torch.Generator().manual_seed(2)
+        qkv = torch.randn(images, T, 3, heads, hd, generator=g).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        grad = torch.randn(images, heads, T, hd, generator=g)
+        o, lse = attention.forward_kernel(q, k, v, None)
+        o_t, lse_t = flash(q, k, v)
+        n = q.numel() * 4
+        fwd_flops = 4 * images * heads * T * T * hd
+        shape = f"{images}x{heads}x{T}x{hd}"
+        out.append((f"attention{suffix}", shape, 4 * n, fwd_flops,
+                    lambda q=q, k=k, v=v: attention.forward_kernel(q, k, v, None),
+                    lambda q=q, k=k, v=v: flash(q, k, v)))
+        out.append((f"attention_backward{suffix}", shape, 8 * n, 5 * fwd_flops // 2,
+                    lambda a=(grad, q, k, v, o, lse): attention.backward_kernel(*a, None),
+                    lambda a=(grad, q, k, v, o_t, lse_t): flash_backward(*a, 0.0, False)))
+    return out
+
+
 def adamw_params(n: int) -> list[torch.Tensor]:
     """DiT-XL/2's parameter tensors for n = its count, else tensors of up to 1152 x 4608."""
     if n == XL_PARAMS:
@@ -140,23 +175,26 @@ def bench_adamw(n: int = XL_PARAMS, repeats: int = 3, progress=None) -> tuple[Op
 def bench_ops(images: int = 8, repeats: int = 9, adamw_params: int = XL_PARAMS,
               names: list[str] | None = None, progress=None) -> dict:
     say = progress or (lambda m: None)
-    cases = op_cases(images)
+    cases = [(*c[:3], None, *c[3:]) for c in op_cases(images)] + attention_cases(images)
     unknown = set(names or ()) - {c[0] for c in cases} - {"adamw"}
     if unknown:
         raise ValueError(f"unknown op {sorted(unknown)}; one of {', '.join(c[0] for c in cases)}, adamw")
     bw = copy_bandwidth_gbps()
     say(f"copy bandwidth at {torch.get_num_threads()} threads: {bw:.1f} GB/s")
     rows = []
-    for name, shape, nbytes, mine, theirs in cases:
+    for name, shape, nbytes, flops, mine, theirs in cases:
         if names and name not in names:
             continue
         tt = timing.interleaved({"autohc": mine, "torch": theirs}, samples=repeats)
         t = {k: v.median for k, v in tt.items()}
         gbps = nbytes / t["autohc"] / 1e9
         rows.append(OpRow(name, shape, 1e3 * t["autohc"], 1e3 * t["torch"], t["torch"] / t["autohc"],
-                          gbps, 100 * gbps / bw, nbytes / t["torch"] / 1e9, "torch eager",
-                          tt["autohc"].spread_pct))
-        say(f"  {name}: {rows[-1].ms:.2f} ms vs torch {rows[-1].torch_ms:.2f} ms")
+                          gbps, 100 * gbps / bw, nbytes / t["torch"] / 1e9,
+                          "torch flash attention" if flops else "torch eager", tt["autohc"].spread_pct,
+                          flops / t["autohc"] / 1e9 if flops else None,
+                          flops / t["torch"] / 1e9 if flops else None))
+        rate = f" ({rows[-1].gflops:.0f} vs {rows[-1].torch_gflops:.0f} GFLOP/s)" if flops else ""
+        say(f"  {name}: {rows[-1].ms:.2f} ms vs torch {rows[-1].torch_ms:.2f} ms{rate}")
     adamw = None
     if adamw_params and (not names or "adamw" in names):
         row, adamw = bench_adamw(adamw_params, progress=say)

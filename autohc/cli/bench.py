@@ -132,10 +132,12 @@ def cmd_bench_ops(args) -> int:
         print(json.dumps(r, indent=2))
         return 0
     print(f"{r['threads']} threads, copy bandwidth {r['bandwidth_gbps']:.1f} GB/s")
-    print(f"{'op':28s} {'shape':18s} {'ms':>8s} {'torch ms':>9s} {'speedup':>8s} {'GB/s':>6s} {'% bw':>5s}")
+    print(f"{'op':28s} {'shape':18s} {'ms':>8s} {'torch ms':>9s} {'speedup':>8s} {'GB/s':>6s} {'% bw':>5s}"
+          f" {'GFLOP/s':>8s} {'torch':>6s}")
     for w in r["rows"]:
+        rate = f" {w['gflops']:8.1f} {w['torch_gflops']:6.1f}" if w.get("gflops") else ""
         print(f"{w['name']:28s} {w['shape']:18s} {w['ms']:8.2f} {w['torch_ms']:9.2f} "
-              f"{w['speedup']:7.2f}x {w['gbps']:6.1f} {w['pct_bandwidth']:4.0f}%")
+              f"{w['speedup']:7.2f}x {w['gbps']:6.1f} {w['pct_bandwidth']:4.0f}%{rate}")
     if r["adamw_ms"]:
         a = r["adamw_ms"]
         print(f"adamw: autohc {a['autohc']:.1f} ms, torch fused {a['torch_fused']:.1f} ms, "
