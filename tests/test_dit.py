@@ -346,3 +346,9 @@ def test_bench_step_stock_vs_autohc():
     assert r["stock_s"] > 0 and r["autohc_s"] > 0 and r["compiled_s"] is None
     assert r["speedup_vs_stock"] > 0 and r["max_loss_rel_diff"] < 1e-3
     assert len(r["losses"]["autohc"]) == 3
+    # GEMMs and attention of DiT-Ti/8 at 16 px: 4 tokens; the count must at least hold the
+    # block GEMMs: 12 hidden^2 multiply-adds per token (qkv, proj, fc1, fc2), three passes
+    # (forward, dX, dW) of 2 flops each
+    tokens, hidden, depth = 2 * 4, 192, 12
+    assert r["step_gflop"] * 1e9 >= 3 * 2 * 12 * hidden ** 2 * tokens * depth
+    assert 0 < r["pct_peak"]["autohc"] < 100 and r["gflops"]["stock"] > 0

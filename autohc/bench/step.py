@@ -1,5 +1,8 @@
 """`autohc bench step`: one DiT training step (forward, backward, AdamW) with stock torch
-eager, torch.compile (inductor) and autohc, measured in one run.
+eager, torch.compile (inductor) and autohc, measured in one run. The model is the reference
+DiT as written (attention through F.scaled_dot_product_attention: torch's CPU flash kernel
+when stock); GFLOP/s and % of the machine's FMA peak (measured, times the threads) come from
+the step's operation count (torch's FlopCounterMode: GEMMs and attention).
 
 Every mode starts from the same seed (weights, data, timesteps, noise, label dropout), so
 their losses step by step differ only by floating-point rounding; they are compared against
@@ -17,11 +20,13 @@ import psutil
 import torch
 
 from ..dit.diffusion import GaussianDiffusion
+from ..hw import cpu
 from ..dit.model import config
 from ..dit.train import autohc_ops, build_model, make_optimizer, peak_rss_gb
 from ..torch import dispatch as override
 from ..tune import first_use
 from . import timing
+from .peak import fma_peak_gflops
 
 
 class _Mode:
@@ -61,6 +66,23 @@ class _Mode:
                 first_use.finish_pending()      # untimed: what is left raced between steps
         self.losses.append(loss.item())
         self.rng = torch.get_rng_state()
+
+
+def step_flops(model: str, batch: int, image_size: int) -> float:
+    """Floating-point operations of one training step (forward + backward: GEMMs and
+    attention, as torch's FlopCounterMode counts them; element-wise work not included),
+    counted on a stock model once."""
+    from torch.utils.flop_counter import FlopCounterMode
+    torch.manual_seed(0)
+    m = build_model({"model": model, "input_size": image_size, "in_channels": 4, "num_classes": 1000,
+                     "class_dropout": 0.1, "learn_sigma": True}, None).train()
+    x = torch.randn(batch, 4, image_size, image_size)
+    t = torch.randint(0, 1000, (batch,))
+    y = torch.randint(0, 1000, (batch,))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        GaussianDiffusion().training_loss(m, x, t, y, torch.randn_like(x)).backward()
+    return float(counter.get_total_flops())
 
 
 def bench_step(model: str, batch: int, *, image_size: int = 32, steps: int = 10, warmup: int = 2,
@@ -108,6 +130,8 @@ def _bench(model, batch, image_size, steps, warmup, modes, say, install_kw) -> d
                 say(f"  {m} step {i + 1}/{steps}: {r.times[-1]:.2f} s")
             runs.append(r)
             r.model = r.forward = r.opt = None      # free it before the next mode
+    flops = step_flops(model, batch, image_size)
+    peak = fma_peak_gflops(cpu.best_isa()) * torch.get_num_threads()
     summary = {r.name: timing.summarize(r.times[warmup:]) for r in runs}
     med = {name: t.median for name, t in summary.items()}
     losses = {r.name: r.losses for r in runs}
@@ -122,6 +146,9 @@ def _bench(model, batch, image_size, steps, warmup, modes, say, install_kw) -> d
            "speedup_vs_stock": med["stock"] / med["autohc"] if {"stock", "autohc"} <= med.keys() else None,
            "speedup_vs_compiled": med["compiled"] / med["autohc"] if {"compiled", "autohc"} <= med.keys() else None,
            "spread_pct": {name: t.spread_pct for name, t in summary.items()},
+           "step_gflop": round(flops / 1e9, 2), "peak_gflops": round(peak, 1),
+           "gflops": {name: round(flops / t / 1e9, 1) for name, t in med.items()},
+           "pct_peak": {name: round(100 * flops / t / 1e9 / peak, 1) for name, t in med.items()},
            "first_use_race_s": round(first_use.spent()["race_s"] - spent0["race_s"], 2),
            "first_use_build_s": round(first_use.spent()["build_s"] - spent0["build_s"], 2),
            "max_loss_rel_diff": diff, "peak_rss_gb": peak_rss_gb(), "losses": losses,

@@ -296,8 +296,9 @@ def cmd_bench_step(args) -> int:
         print(json.dumps(r, indent=2))
         return 0
     print(f"{r['model']} batch {r['batch']}, {r['threads']} threads, median of {r['timed_steps']} steps:")
+    print(f"  ({r['step_gflop']:.1f} GFLOP per step in GEMMs and attention; FMA peak {r['peak_gflops']:.0f} GFLOP/s)")
     for m in args.modes:
-        print(f"  {m:9s} {r[m + '_s']:.3f} s/step")
+        print(f"  {m:9s} {r[m + '_s']:.3f} s/step  {r['gflops'][m]:7.1f} GFLOP/s  {r['pct_peak'][m]:4.1f}% of peak")
     for k in ("speedup_vs_stock", "speedup_vs_compiled"):
         if r.get(k) is not None:
             print(f"  autohc {k.replace('_', ' ')}: {r[k]:.2f}x")
