@@ -82,3 +82,30 @@ def test_tune_adamw_checks_each_candidate_from_the_same_state(reg):
     AdamW([p]).step()
     torch.optim.AdamW([q]).step()
     torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=3e-7)
+
+
+def test_tune_attention_records_and_sdpa_uses_it(reg):
+    """`tune --op attention`: blocks and micro-tiles from search_spaces/attention.yaml, each
+    candidate checked against torch's flash attention, the winner used by the next call."""
+    from autohc.kernels.attention import AttentionParams, default_attention
+    from autohc.torch import attention
+    g = op_tuner.grid(cpu.best_isa(), 1, space="attention")
+    assert {"block_q", "block_k", "mr", "kv", "dc"} <= set(g) and g["threads"] == [0]
+    assert attention.params_for() == default_attention()
+    r = op_tuner.tune_op("attention", 1, images=1, repeats=1, timeout=8)
+    assert r["trials"] >= 1 and r["ms"] > 0 and r["torch_ms"] > 0
+    entry = registry.lookup_op("attention", "attention", 1)
+    assert entry["params"] == r["params"]
+    assert attention.params_for() == AttentionParams(**r["params"])
+    q, k, v = torch.randn(3, 2, 3, 40, 72).unbind(0)
+    want = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)[0]
+    torch.testing.assert_close(attention.forward_kernel(q, k, v, None)[0], want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_wrong_attention_kernel_never_wins(reg, monkeypatch):
+    def wrong(got, reference, what):
+        raise op_tuner.WrongResult(what)
+    monkeypatch.setattr(op_tuner, "check_same", wrong)
+    with pytest.raises(RuntimeError, match="no candidate passed the correctness check"):
+        op_tuner.tune_op("attention", 1, images=1, repeats=1, timeout=5)
+    assert registry.lookup_op("attention", "attention", 1) is None

@@ -76,9 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--model", choices=["dit-s", "dit-b", "dit-l", "dit-xl"],
                       help="every training GEMM of this DiT size (15 problems)")
     what.add_argument("--op", nargs="+", metavar="NAME",
-                      help="operator kernels instead (names as in `autohc bench ops`, adamw, or "
-                           "all): vector width, unroll, streaming stores and thread split from "
-                           "search_spaces/eltwise.yaml")
+                      help="operator kernels instead (names as in `autohc bench ops`, adamw, "
+                           "attention, or all): vector width, unroll, streaming stores and thread "
+                           "split from search_spaces/eltwise.yaml; attention's blocks and "
+                           "micro-tiles from search_spaces/attention.yaml")
     tune.add_argument("--m", type=positive_int, default=2048, help="rows (tokens), default 2048")
     tune.add_argument("--layout", choices=["NT", "NN", "TN", "all"], default="all",
                       help="NT forward, NN input grad, TN weight grad (default: all)")

@@ -83,10 +83,11 @@ def cmd_tune(args, parser) -> int:
 
 def _tune_ops(args, threads: int) -> int:
     from ..tune.ops import OP_KERNELS, tune_op
-    names = list(OP_KERNELS) if args.op == ["all"] else args.op
-    unknown = [n for n in names if n not in OP_KERNELS]
+    known = [*OP_KERNELS, "attention"]
+    names = known if args.op == ["all"] else args.op
+    unknown = [n for n in names if n not in known]
     if unknown:
-        raise ValueError(f"unknown op {unknown}; one of {', '.join(OP_KERNELS)} or all")
+        raise ValueError(f"unknown op {unknown}; one of {', '.join(known)} or all")
     say = None if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
     for name in names:
         r = tune_op(name, threads, images=args.images, timeout=args.timeout, seed=args.seed, progress=say)

@@ -1,5 +1,5 @@
 """`autohc tune --op NAME`: the element-wise kernels' parameters (search_spaces/eltwise.yaml)
-searched by measurement, as for GEMMs. The space is small, so Optuna walks all of it (a grid);
+and the fused attention's (search_spaces/attention.yaml) searched by measurement, as for GEMMs. The space is small, so Optuna walks all of it (a grid);
 each candidate must first compute what torch computes on the op's DiT-XL/2-sized tensors
 (`autohc bench ops` cases), then it is timed interleaved with torch. The best goes to the
 registry under (CPU, kernel, threads), where autohc.ops picks it up on its next call."""
@@ -55,11 +55,54 @@ def _adamw_case(images: int):
             lambda: first_step(lambda ps: torch.optim.AdamW(ps, fused=True, **hyper)))
 
 
-def grid(isa: str, threads: int, kernel: str | None = None) -> dict[str, list]:
-    """{parameter: values} of this back-end from search_spaces/eltwise.yaml, limited to the
+def _attention_case(images: int):
+    """(shape, bytes, forward + backward by autohc, the same by torch's CPU flash attention):
+    DiT-XL/2's attention (16 heads of 72, 256 tokens), q, k, v views of one qkv tensor."""
+    from ..torch import attention
+    T, heads, hd = 256, 16, 72
+    qkv = torch.randn(images, T, 3, heads, hd, generator=torch.Generator().manual_seed(2)).permute(2, 0, 3, 1, 4)
+    q, k, v = qkv.unbind(0)
+    grad = torch.randn(images, heads, T, hd, generator=torch.Generator().manual_seed(3))
+    flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+    def mine():
+        o, lse = attention.forward_kernel(q, k, v, None)
+        return (o, *attention.backward_kernel(grad, q, k, v, o, lse, None))
+
+    def theirs():
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)
+        return (o, *flash_backward(grad, q, k, v, o, lse, 0.0, False))
+    return f"{images}x{heads}x{T}x{hd}", 12 * q.numel() * 4, mine, theirs
+
+
+class _Target:
+    """What the search needs of one kernel: its space, how to make, force and build
+    parameters, its default, and where the result is recorded."""
+
+    def __init__(self, name: str, isa: str, threads: int):
+        from ..kernels.attention import AttentionParams, default_attention
+        from ..kernels.attention.codegen import library as attention_library
+        from ..torch import attention
+        if name == "attention":
+            self.op, self.kernel, self.space = "attention", "attention", grid(isa, threads, space="attention")
+            self.make = lambda knobs: AttentionParams(isa=isa, **knobs)
+            self.force = attention.forced_params
+            self.build = attention_library
+            self.default = default_attention(isa)
+        else:
+            kernel = OP_KERNELS[name]
+            self.op, self.kernel, self.space = "eltwise", kernel, grid(isa, threads, kernel)
+            self.make = lambda knobs: EltwiseParams(isa=isa, **knobs)
+            self.force = lambda p: ops.forced_params(kernel, p)
+            self.build = lambda p: library(kernel, p)
+            self.default = default_eltwise(isa)
+
+
+def grid(isa: str, threads: int, kernel: str | None = None, space: str = "eltwise") -> dict[str, list]:
+    """{parameter: values} of this back-end from search_spaces/<space>.yaml, limited to the
     knobs `kernel`'s template uses (kernels/eltwise/params.py KERNELS); a split over more
     threads than `threads`, or the same as all of them (0), is left out."""
-    out = {name: list(e["values"]) for name, e in isa_entries(load_space("eltwise"), isa).items()}
+    out = {name: list(e["values"]) for name, e in isa_entries(load_space(space), isa).items()}
     if "threads" in out:
         out["threads"] = [t for t in out["threads"] if t == 0 or t < threads]
     if kernel is not None:
@@ -70,31 +113,34 @@ def grid(isa: str, threads: int, kernel: str | None = None) -> dict[str, list]:
 def tune_op(name: str, threads: int | None = None, *, images: int = 8, repeats: int = 5,
             timeout: float = 60.0, seed: int = 0, progress=None) -> dict:
     """Tune one operator's kernel; records and returns the best (params, ms, torch_ms)."""
-    if name not in OP_KERNELS:
-        raise ValueError(f"unknown op {name!r}; one of {', '.join(OP_KERNELS)}")
-    kernel = OP_KERNELS[name]
+    if name not in OP_KERNELS and name != "attention":
+        raise ValueError(f"unknown op {name!r}; one of {', '.join(OP_KERNELS)}, attention")
     threads = threads or torch.get_num_threads()       # what autohc.ops uses, uninstalled
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         if name == "adamw":
             shape, nbytes, mine, theirs, check, their_check = _adamw_case(images)
+        elif name == "attention":
+            shape, nbytes, mine, theirs = _attention_case(images)
+            check, their_check = mine, theirs
         else:
             _, shape, nbytes, mine, theirs = next(c for c in op_cases(images) if c[0] == name)
             check, their_check = mine, theirs
         isa = cpu.best_isa()
-        space = grid(isa, threads, kernel)
+        target = _Target(name, isa, threads)
+        space, kernel = target.space, target.kernel
         reference = their_check()
         timings: dict[int, tuple[float, float]] = {}
 
         def objective(trial) -> float:
-            params = EltwiseParams(isa=isa, **{k: trial.suggest_categorical(k, v) for k, v in space.items()})
+            params = target.make({k: trial.suggest_categorical(k, v) for k, v in space.items()})
             try:
                 params.validate()
             except ParamError as e:
                 raise optuna.TrialPruned(str(e)) from None
-            with ops.forced_params(kernel, params):
-                cand = pipeline.Candidate(params, lambda: library(kernel, params),
+            with target.force(params):
+                cand = pipeline.Candidate(params, lambda: target.build(params),
                                           lambda: check_same(check(), reference, name), mine)
                 try:
                     m = pipeline.evaluate(cand, theirs, samples=repeats)
@@ -116,7 +162,7 @@ def tune_op(name: str, threads: int | None = None, *, images: int = 8, repeats: 
             raise RuntimeError(f"tune --op {name}: no candidate passed the correctness check")
         # the final race: the best few and the default, again, longer and side by side; the
         # default is kept unless beaten by more than the spread (tune/pipeline.py)
-        default = default_eltwise(isa)
+        default = target.default
         finalists = {"default": {k: getattr(default, k) for k in space}}
         for t in sorted(done, key=lambda t: t.value):
             if len(finalists) > pipeline.FINALISTS:
@@ -125,10 +171,10 @@ def tune_op(name: str, threads: int | None = None, *, images: int = 8, repeats: 
                 finalists[f"trial {t.number}"] = dict(t.params)
 
         def run_with(knobs):
-            p = EltwiseParams(isa=isa, **knobs)
+            p = target.make(knobs)
 
             def run():
-                with ops.forced_params(kernel, p):
+                with target.force(p):
                     return mine()
             return run
         times = pipeline.race({k: run_with(v) for k, v in finalists.items()}, theirs)
@@ -136,7 +182,7 @@ def tune_op(name: str, threads: int | None = None, *, images: int = 8, repeats: 
         ms, torch_ms = 1e3 * times[kept].median, 1e3 * times["baseline"].median
         default_ms = 1e3 * times["default"].median
         params = {"isa": isa, **finalists[kept]}
-        entry = registry.record_op("eltwise", kernel, threads, params, ms, torch_ms,
+        entry = registry.record_op(target.op, kernel, threads, params, ms, torch_ms,
                                    name=name, shape=shape, trials=len(done),
                                    default_ms=round(default_ms, 4),
                                    seconds=round(time.perf_counter() - t0, 1))
