@@ -224,3 +224,18 @@ def test_a_hand_written_dit_style_model_trains_the_same_under_install():
     for a, b in zip(got, want):
         assert abs(a - b) <= 1e-3 * abs(b)
     assert want[-1] < want[0]
+
+
+def test_sampling_paths_are_served_too():
+    """Sampling runs under no_grad or inference_mode: the forward is served there as well."""
+    q, k, v = qkv_views(2, 33, 4, 16, seed=8)
+    want = F.scaled_dot_product_attention(q, k, v)
+    before = A.stats["autohc"]
+    with autohc.installed():
+        with torch.inference_mode():
+            a = F.scaled_dot_product_attention(q, k, v)
+        with torch.no_grad():
+            b = F.scaled_dot_product_attention(q, k, v)
+    assert A.stats["autohc"] - before == 2
+    torch.testing.assert_close(a, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(b, want, rtol=1e-4, atol=1e-5)
