@@ -239,3 +239,27 @@ def test_sampling_paths_are_served_too():
     assert A.stats["autohc"] - before == 2
     torch.testing.assert_close(a, want, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(b, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "qkv_view", "heads_first", "one_head"])
+def test_results_are_laid_out_as_atens(layout):
+    """torch.compile's fake kernels of the flash op promise ATen's layouts: the output in the
+    query's dim order, the log-sum-exp and the gradients (B, L, H, D) in memory."""
+    if layout == "contiguous":
+        q = k = v = torch.randn(2, 3, 5, 8)
+    elif layout == "qkv_view":
+        q, k, v = qkv_views(2, 5, 3, 8)
+    elif layout == "heads_first":
+        q = k = v = torch.randn(3, 2, 5, 8).transpose(0, 1)
+    else:
+        q = k = v = torch.randn(1, 5, 1, 8).transpose(1, 2)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    o, lse = flash(q, k, v)
+    g = torch.randn(o.shape)
+    want = (o, lse, *flash_backward(g, q, k, v, o, lse, 0.0, False))
+    mo, mlse = A.forward_kernel(q, k, v, None)
+    got = (mo, mlse, *A.backward_kernel(g, q, k, v, mo, mlse, None))
+    for a, b in zip(got, want):
+        assert a.stride() == b.stride()
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

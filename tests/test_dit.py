@@ -340,6 +340,23 @@ def test_eval_metric_separates_real_from_noise():
     assert real["frechet"] < 0.2 * noise["frechet"]
 
 
+def test_bench_step_modes_on_the_command_line_are_the_benchmarks():
+    from autohc.bench.step import MODES
+    from autohc.cli.dit import STEP_MODES
+    assert STEP_MODES == MODES
+
+
+def test_bench_step_autohc_under_compile():
+    """autohc+compile: inductor's compiled step with its GEMMs on autohc, the stock losses."""
+    from autohc.bench.step import bench_step
+    from autohc.torch import dispatch
+    before = dispatch.stats["autohc"]
+    r = bench_step("DiT-Ti/8", 2, image_size=16, steps=2, warmup=1, modes=["stock", "autohc+compile"])
+    assert dispatch.stats["autohc"] > before
+    assert r["autohc_compile_s"] > 0 and r["autohc_compile_speedup_vs_stock"] > 0
+    assert r["max_loss_rel_diff"] < 1e-3
+
+
 def test_bench_step_stock_vs_autohc():
     from autohc.bench.step import bench_step
     r = bench_step("DiT-Ti/8", 2, image_size=16, steps=3, warmup=1, modes=["stock", "autohc"])

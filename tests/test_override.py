@@ -217,16 +217,58 @@ def test_opcheck_on_every_overridden_op():
         torch.library.opcheck(torch.ops.aten.baddbmm.default, (torch.randn(3, 130, 150), A, B))
 
 
-def test_torch_compile_inductor_same_results():
-    """Inductor lowers GEMMs itself (so they do not reach autohc), but the model must run
-    with autohc installed and give the eager results."""
+def test_torch_compile_inductor_runs_its_gemms_on_autohc():
+    """Inductor calls mm.out / addmm.out with buffers of its own: those reach autohc, forward
+    and backward, with the eager results."""
     torch.manual_seed(5)
     model = nn.Sequential(nn.Linear(64, 128), nn.GELU(approximate="tanh"), nn.Linear(128, 64))
     x = torch.randn(32, 64)
     ref = model(x)
+    ref.sum().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    before = counts()["autohc"]
     with autohc.installed():
         got = torch.compile(model)(x)
+        got.sum().backward()
+    assert counts()["autohc"] - before >= 5          # 2 addmm forward, 3 mm backward
     assert close(got, ref, 128)
+    for p, w in zip(model.parameters(), want):
+        assert close(p.grad, w, 128)
+
+
+@pytest.mark.parametrize("case", ["fits", "resize", "overlap", "addmm", "addmm_beta0", "bmm", "baddbmm"])
+def test_out_forms(case):
+    """torch.mm(a, b, out=...) and friends: served where out is a fitting row-major buffer,
+    ATen's own kernel (resizing, overlap rules) otherwise; the same numbers either way."""
+    torch.manual_seed(7)
+    a, b, c = torch.randn(70, 130), torch.randn(130, 90), torch.randn(90)
+    A, B = torch.randn(3, 130, 140), torch.randn(3, 140, 150)     # over bmm's 128^3 floor
+
+    def run():
+        if case == "fits":
+            return torch.mm(a, b, out=torch.empty(70, 90))
+        if case == "resize":
+            return torch.mm(a, b, out=torch.empty(0))
+        if case == "overlap":
+            buf = torch.randn(200, 130)
+            return torch.mm(buf[:70], b[:, :90].contiguous()[:130], out=buf[70:140, :90])
+        if case == "addmm":
+            return torch.addmm(c, a, b, beta=0.5, alpha=2.0, out=torch.empty(70, 90))
+        if case == "addmm_beta0":
+            return torch.addmm(c, a, b, beta=0, out=torch.full((70, 90), float("nan")))
+        if case == "bmm":
+            return torch.bmm(A, B, out=torch.empty(3, 130, 150))
+        return torch.baddbmm(torch.randn(3, 130, 150), A, B, alpha=0.5, out=torch.empty(3, 130, 150))
+    torch.manual_seed(8)
+    want = run().clone()
+    before = counts()
+    with autohc.installed():
+        torch.manual_seed(8)
+        got = run()
+    served = counts()["autohc"] - before["autohc"]
+    assert served == (0 if case in ("resize", "overlap") else 1)
+    assert close(got, want, 130)
 
 
 @pytest.mark.parametrize("case", ["transposed", "broadcast_batch", "sliced", "M1", "attention_grad"])

@@ -1,5 +1,7 @@
 """`autohc bench step`: one DiT training step (forward, backward, AdamW) with stock torch
-eager, torch.compile (inductor) and autohc, measured in one run. The model is the reference
+eager, torch.compile (inductor), autohc, and autohc+compile (torch.compile under install():
+inductor's GEMMs and attention on autohc's kernels, its fused element-wise code for the rest),
+measured in one run. The model is the reference
 DiT as written (attention through F.scaled_dot_product_attention: torch's CPU flash kernel
 when stock); GFLOP/s and % of the machine's FMA peak (measured, times the threads) come from
 the step's operation count (torch's FlopCounterMode: GEMMs and attention).
@@ -29,18 +31,26 @@ from . import timing
 from .peak import fma_peak_gflops
 
 
+MODES = ("stock", "compiled", "autohc", "autohc+compile")
+
+
 class _Mode:
     def __init__(self, name: str, model_name: str, batch: int, image_size: int, seed: int = 0,
                  install_kw: dict | None = None):
         self.install_kw = install_kw or {}
         torch.manual_seed(seed)
         self.name = name
+        self.on_autohc = name in ("autohc", "autohc+compile")
         self.model = build_model({"model": model_name, "input_size": image_size, "in_channels": 4,
                                   "num_classes": 1000, "class_dropout": 0.1, "learn_sigma": True},
                                  autohc_ops(name == "autohc")).train()
         self.opt = make_optimizer([p for p in self.model.parameters() if p.requires_grad], lr=1e-4,
-                                  weight_decay=0.0, use_autohc=name == "autohc")
-        self.forward = torch.compile(self.model) if name == "compiled" else self.model
+                                  weight_decay=0.0, use_autohc=self.on_autohc)
+        # autohc+compile: inductor compiles the stock model and fuses its element-wise work;
+        # its GEMMs (mm.out / addmm.out) and attention (the flash op) reach autohc's kernels
+        # at run time, through install()
+        compiled = name in ("compiled", "autohc+compile")
+        self.forward = torch.compile(self.model) if compiled else self.model
         self.diffusion = GaussianDiffusion()
         self.gen = torch.Generator().manual_seed(seed + 1)
         self.rng = torch.get_rng_state()        # the label-dropout stream, kept per mode
@@ -54,7 +64,7 @@ class _Mode:
         y = torch.randint(0, 1000, (self.batch,), generator=g)
         t = torch.randint(0, 1000, (self.batch,), generator=g)
         noise = torch.randn(x.shape, generator=g)
-        ctx = override.installed(**self.install_kw) if self.name == "autohc" else contextlib.nullcontext()
+        ctx = override.installed(**self.install_kw) if self.on_autohc else contextlib.nullcontext()
         with ctx:
             t0 = time.perf_counter()
             loss = self.diffusion.training_loss(self.forward, x, t, y, noise)
@@ -62,7 +72,7 @@ class _Mode:
             loss.backward()
             self.opt.step()
             self.times.append(time.perf_counter() - t0)
-            if self.name == "autohc" and first_use.enabled():
+            if self.on_autohc and first_use.enabled():
                 first_use.finish_pending()      # untimed: what is left raced between steps
         self.losses.append(loss.item())
         self.rng = torch.get_rng_state()
@@ -86,7 +96,7 @@ def step_flops(model: str, batch: int, image_size: int) -> float:
 
 
 def bench_step(model: str, batch: int, *, image_size: int = 32, steps: int = 10, warmup: int = 2,
-               modes=("stock", "compiled", "autohc"), threads: int | None = None,
+               modes=MODES, threads: int | None = None,
                torch_threads: int | None = None, first_use_tuning: bool = True, progress=None) -> dict:
     if warmup >= steps:
         raise ValueError(f"--warmup {warmup} must be below --steps {steps}")
@@ -106,7 +116,7 @@ def bench_step(model: str, batch: int, *, image_size: int = 32, steps: int = 10,
 
 
 def _bench(model, batch, image_size, steps, warmup, modes, say, install_kw) -> dict:
-    if "compiled" in modes:
+    if {"compiled", "autohc+compile"} & set(modes):
         import torch._inductor.config as ic
         ic.fallback_random = True       # inductor draws label dropout as eager does
     spent0 = first_use.spent()
@@ -143,6 +153,11 @@ def _bench(model, batch, image_size, steps, warmup, modes, say, install_kw) -> d
     out = {"model": model, "batch": batch, "image_size": image_size, "threads": torch.get_num_threads(),
            "timed_steps": steps - warmup, "interleaved": interleave,
            "stock_s": med.get("stock"), "compiled_s": med.get("compiled"), "autohc_s": med.get("autohc"),
+           "autohc_compile_s": med.get("autohc+compile"), "step_s": med,
+           "autohc_compile_speedup_vs_stock": (med["stock"] / med["autohc+compile"]
+                                               if {"stock", "autohc+compile"} <= med.keys() else None),
+           "autohc_compile_speedup_vs_compiled": (med["compiled"] / med["autohc+compile"]
+                                                  if {"compiled", "autohc+compile"} <= med.keys() else None),
            "speedup_vs_stock": med["stock"] / med["autohc"] if {"stock", "autohc"} <= med.keys() else None,
            "speedup_vs_compiled": med["compiled"] / med["autohc"] if {"compiled", "autohc"} <= med.keys() else None,
            "spread_pct": {name: t.spread_pct for name, t in summary.items()},

@@ -84,19 +84,39 @@ def _ptr(ffi, t):
     return ffi.cast("float *", t.data_ptr())
 
 
+def out_like_query(q: torch.Tensor) -> torch.Tensor:
+    """An empty result laid out as ATen's flash attention lays out its output: as
+    empty_like(query), dense in the query's stride order (DiT's q view of qkv gives
+    (B, L, H, D) memory)."""
+    return torch.empty_like(q, memory_format=torch.preserve_format)
+
+
+def grad_like(t: torch.Tensor) -> torch.Tensor:
+    """An empty gradient laid out as ATen's flash-attention backward gives it: (B, L, H, D)
+    in memory."""
+    B, H, L, D = t.shape
+    return torch.empty(B, L, H, D, dtype=t.dtype).transpose(1, 2)
+
+
+def lse_like(q: torch.Tensor) -> torch.Tensor:
+    """The log-sum-exp as ATen lays it out: (B, L, H) in memory, seen as (B, H, L)."""
+    B, H, L, _ = q.shape
+    return torch.empty(B, L, H, dtype=torch.float32).transpose(1, 2)
+
+
 def _check(rc: int, what: str) -> None:
     if rc != 0:
         raise MemoryError(f"autohc attention {what}: a thread could not allocate its buffers")
 
 
 def forward_kernel(q, k, v, scale: float | None):
-    """(out (B, H, L, D) contiguous, lse (B, H, L) laid out as ATen's: (B, L, H) in memory)."""
+    """(out (B, H, L, D), lse (B, H, L)), both laid out as ATen's flash attention lays them
+    out (what torch.compile's fake kernels of that op promise)."""
     ffi, fwd, _ = _functions(params_for())
     q, k, v = _inner(q), _inner(k), _inner(v)
     B, H, L, D = q.shape
     S = k.shape[2]
-    out = torch.empty(B, H, L, D)
-    lse = torch.empty(B, L, H).transpose(1, 2)
+    out, lse = out_like_query(q), lse_like(q)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     _check(fwd(_ptr(ffi, q), _ptr(ffi, k), _ptr(ffi, v), _ptr(ffi, out), _ptr(ffi, lse),
                B, H, L, S, D, _strides(ffi, q, k, v, out, lse), scale, kernel_threads()), "forward")
@@ -104,12 +124,13 @@ def forward_kernel(q, k, v, scale: float | None):
 
 
 def backward_kernel(grad, q, k, v, out, lse, scale: float | None):
-    """(dq, dk, dv), contiguous, from the forward's out and lse."""
+    """(dq, dk, dv) from the forward's out and lse, laid out as ATen's backward: (B, L, H, D)
+    in memory."""
     ffi, _, bwd = _functions(params_for())
     grad, q, k, v, out = (_inner(t) for t in (grad, q, k, v, out))
     B, H, L, D = q.shape
     S = k.shape[2]
-    dq, dk, dv = torch.empty(B, H, L, D), torch.empty(B, H, S, D), torch.empty(B, H, S, D)
+    dq, dk, dv = grad_like(q), grad_like(k), grad_like(v)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     _check(bwd(_ptr(ffi, grad), _ptr(ffi, q), _ptr(ffi, k), _ptr(ffi, v), _ptr(ffi, out),
                _ptr(ffi, lse), _ptr(ffi, dq), _ptr(ffi, dk), _ptr(ffi, dv), B, H, L, S, D,
@@ -125,17 +146,26 @@ def _math(q, k, v, scale):
     return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
 
 
+def _laid_out(t: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
+    """t in the layout of `empty` (the math path's results take the kernel's layouts, so the
+    op's fake kernel holds on every path)."""
+    return empty.copy_(t) if t.stride() != empty.stride() else t
+
+
 @torch.library.custom_op("autohc::attention", mutates_args=())
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    return fallback.kernel_or(lambda: forward_kernel(q, k, v, scale), lambda: _math(q, k, v, scale),
-                              "attention", served=served(q, k, v))
+    def math_path():
+        out, lse = _math(q, k, v, scale)
+        return (_laid_out(out, out_like_query(q).to(out.dtype)),
+                _laid_out(lse, lse_like(q).to(lse.dtype)))
+    return fallback.kernel_or(lambda: forward_kernel(q, k, v, scale), math_path, "attention",
+                              served=served(q, k, v))
 
 
 @_attention.register_fake
 def _(q, k, v, scale):
-    B, H, L, D = q.shape
-    return q.new_empty(B, H, L, D), q.new_empty(B, L, H).transpose(1, 2)
+    return out_like_query(q).to(q.dtype), lse_like(q).to(q.dtype)
 
 
 @torch.library.custom_op("autohc::attention_backward", mutates_args=())
@@ -147,14 +177,15 @@ def _attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         p = torch.exp((q @ k.transpose(-2, -1)) * sc - lse.unsqueeze(-1))
         dp = grad @ v.transpose(-2, -1)
         ds = p * (dp - (grad * out).sum(-1, keepdim=True)) * sc
-        return ds @ k, ds.transpose(-2, -1) @ q, p.transpose(-2, -1) @ grad
+        return tuple(_laid_out(g, grad_like(t).to(g.dtype))
+                     for g, t in ((ds @ k, q), (ds.transpose(-2, -1) @ q, k), (p.transpose(-2, -1) @ grad, v)))
     return fallback.kernel_or(lambda: backward_kernel(grad, q, k, v, out, lse, scale), math_path,
                               "attention_backward", served=served(q, k, v) and grad.dtype == torch.float32)
 
 
 @_attention_backward.register_fake
 def _(grad, q, k, v, out, lse, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return grad_like(q).to(q.dtype), grad_like(k).to(k.dtype), grad_like(v).to(v.dtype)
 
 
 def _setup(ctx, inputs, output):
@@ -184,16 +215,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
 
 # ------------------------------------------- aten CPU kernels for autohc.install()
 
-def _aten_kernel(name: str):
-    """ATen's own CPU kernel of aten::name, captured before install() overrides it (None
-    where this torch does not offer the handle: the op is then left to ATen entirely)."""
-    try:
-        return torch._C._dispatch_get_computed_kernel_for_dispatch_key(f"aten::{name}", torch._C.DispatchKey.CPU)
-    except (AttributeError, RuntimeError):
-        return None
-
-
-ATEN_FLASH = {name: _aten_kernel(name) for name in (FLASH, FLASH_BACKWARD)}
+ATEN_FLASH = {name: fallback.captured(name) for name in (FLASH, FLASH_BACKWARD)}
 
 
 def _counted(who: str, result):
@@ -203,7 +225,7 @@ def _counted(who: str, result):
 
 def _call_aten(name: str, *args, **kwargs):
     stats["aten"] += 1
-    return ATEN_FLASH[name].call_boxed(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args, **kwargs)
+    return fallback.call_captured(ATEN_FLASH[name], *args, **kwargs)
 
 
 def _flash_served(q, k, v, dropout_p, is_causal, attn_mask) -> bool:

@@ -8,6 +8,12 @@ autograd, so nn.Linear, F.linear, torch.matmul / @, mm, addmm, bmm all reach the
 forward pass, and autograd's own derivative formulas reach them in the backward pass (dX = dY·W
 is NN, dW = dYᵀ·X is TN, both as strided views, no copies).
 
+The `.out` forms (mm.out, addmm.out, bmm.out, baddbmm.out) are served too: they are what
+torch.compile's inductor calls for its GEMMs (extern kernels writing into a buffer of its own),
+so compiled graphs run their GEMMs on autohc while inductor fuses the element-wise rest. A `.out`
+call autohc does not serve (a result that needs resizing or overlaps an input, other dtypes)
+goes to ATen's own kernel, captured before the override.
+
 Whatever autohc does not do (other dtypes, complex, zero-size, tiny problems where the call
 overhead does not pay) goes to ATen's own `.out` kernels, which these registrations leave
 untouched: same results, same errors. A kernel that cannot be built or started (no compiler,
@@ -84,11 +90,20 @@ def _aten(out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _aten_out(name: str):
+    """ATen's own `.out` kernel: the captured one (the `.out` ops are overridden too), else
+    the op itself."""
+    kernel = ATEN_OUT.get(name)
+    if kernel is not None:
+        return lambda *a, **kw: fallback.call_captured(kernel, *a, **kw)
+    return getattr(torch.ops.aten, name.split(".")[0]).out
+
+
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return fallback.kernel_or(
         lambda: _autohc(gemm_into(a, b, fresh_empty(a.shape[0], b.shape[1]), 1.0, 0.0,
                                   kernel_threads())),
-        lambda: _aten(torch.ops.aten.mm.out(a, b, out=a.new_empty(0))),
+        lambda: _aten(_aten_out("mm.out")(a, b, out=a.new_empty(0))),
         "mm", served=_serve(a, b))
 
 
@@ -97,8 +112,8 @@ def _addmm(inp: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, *, beta=1, alp
              if _serve(m1, m2) and _ok(inp) and _real(beta, alpha) else None)
     return fallback.kernel_or(
         lambda: _autohc(gemm_into(m1, m2, start, float(alpha), float(beta), kernel_threads())),
-        lambda: _aten(torch.ops.aten.addmm.out(inp, m1, m2, beta=beta, alpha=alpha,
-                                               out=m1.new_empty(0))),
+        lambda: _aten(_aten_out("addmm.out")(inp, m1, m2, beta=beta, alpha=alpha,
+                                             out=m1.new_empty(0))),
         "addmm", served=start is not None)
 
 
@@ -111,7 +126,7 @@ def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return fallback.kernel_or(
         lambda: _autohc(bmm_into(a, b, fresh_empty(a.shape[0], a.shape[1], b.shape[2]), 1.0, 0.0,
                                  kernel_threads())),
-        lambda: _aten(torch.ops.aten.bmm.out(a, b, out=a.new_empty(0))),
+        lambda: _aten(_aten_out("bmm.out")(a, b, out=a.new_empty(0))),
         "bmm", served=_batched(a, b))
 
 
@@ -120,9 +135,79 @@ def _baddbmm(inp, b1, b2, *, beta=1, alpha=1):
              if _batched(b1, b2) and _ok(inp) and _real(beta, alpha) else None)
     return fallback.kernel_or(
         lambda: _autohc(bmm_into(b1, b2, start, float(alpha), float(beta), kernel_threads())),
-        lambda: _aten(torch.ops.aten.baddbmm.out(inp, b1, b2, beta=beta, alpha=alpha,
-                                                 out=b1.new_empty(0))),
+        lambda: _aten(_aten_out("baddbmm.out")(inp, b1, b2, beta=beta, alpha=alpha,
+                                               out=b1.new_empty(0))),
         "baddbmm", served=start is not None)
+
+
+# ---- the `.out` forms: what torch.compile's inductor calls (extern_kernels.mm/addmm/bmm with
+# a buffer of its own), so that compiled graphs run their GEMMs on autohc too. A call not
+# served goes to ATen's own kernel, captured before the override.
+ATEN_OUT = {name: fallback.captured(name) for name in ("mm.out", "addmm.out", "bmm.out", "baddbmm.out")}
+
+
+def _fits(out: torch.Tensor, shape, *inputs: torch.Tensor) -> bool:
+    """out is a float32 row-major result of `shape` sharing no memory with the inputs."""
+    if not (_ok(out) and tuple(out.shape) == tuple(shape) and out.is_contiguous()):
+        return False
+    mem = out.untyped_storage().data_ptr()
+    return all(t.untyped_storage().data_ptr() != mem for t in inputs)
+
+
+def _broadcasts(inp: torch.Tensor, shape) -> bool:
+    try:
+        inp.expand(shape)
+        return True
+    except RuntimeError:
+        return False
+
+
+def _start_in(out: torch.Tensor, inp: torch.Tensor, beta) -> torch.Tensor:
+    if beta != 0:
+        out.copy_(inp.expand(out.shape))
+    return out
+
+
+def _mm_out(a, b, *, out):
+    return fallback.kernel_or(
+        lambda: _autohc(gemm_into(a, b, out, 1.0, 0.0, kernel_threads())),
+        lambda: _aten(fallback.call_captured(ATEN_OUT["mm.out"], a, b, out=out)),
+        "mm", served=_serve(a, b) and _fits(out, (a.shape[0], b.shape[1]), a, b))
+
+
+def _plus_out(name: str, into, pair_ok: bool, shape, inp, x, y, beta, alpha, out):
+    """out := alpha * x @ y + beta * inp (addmm.out, baddbmm.out); shape is checked only
+    where the pair is served (ATen raises its own errors for the rest)."""
+    served = (pair_ok and _ok(inp) and _real(beta, alpha) and _broadcasts(inp, shape())
+              and _fits(out, shape(), x, y, inp))
+    return fallback.kernel_or(
+        lambda: _autohc(into(x, y, _start_in(out, inp, beta), float(alpha), float(beta),
+                             kernel_threads())),
+        lambda: _aten(fallback.call_captured(ATEN_OUT[f"{name}.out"], inp, x, y, beta=beta,
+                                             alpha=alpha, out=out)),
+        name, served=served)
+
+
+def _addmm_out(inp, m1, m2, *, beta=1, alpha=1, out):
+    return _plus_out("addmm", gemm_into, _serve(m1, m2), lambda: (m1.shape[0], m2.shape[1]),
+                     inp, m1, m2, beta, alpha, out)
+
+
+def _bmm_out(a, b, *, out):
+    return fallback.kernel_or(
+        lambda: _autohc(bmm_into(a, b, out, 1.0, 0.0, kernel_threads())),
+        lambda: _aten(fallback.call_captured(ATEN_OUT["bmm.out"], a, b, out=out)),
+        "bmm", served=_batched(a, b) and _fits(out, (a.shape[0], a.shape[1], b.shape[2]), a, b))
+
+
+def _baddbmm_out(inp, b1, b2, *, beta=1, alpha=1, out):
+    return _plus_out("baddbmm", bmm_into, _batched(b1, b2),
+                     lambda: (b1.shape[0], b1.shape[1], b2.shape[2]), inp, b1, b2, beta, alpha, out)
+
+
+# registered only where ATen's own kernels could be captured (a call not served needs them)
+OUT_IMPLS = ({"mm.out": _mm_out, "addmm.out": _addmm_out, "bmm.out": _bmm_out,
+              "baddbmm.out": _baddbmm_out} if all(ATEN_OUT.values()) else {})
 
 
 def _positive(name: str, v) -> None:
@@ -173,7 +258,7 @@ def install(threads: int | None = None, torch_threads: int | str | None = "auto"
             lib.impl("bmm", _bmm, "CPU")
             lib.impl("baddbmm", _baddbmm, "CPU")
             # the fused operators and attention (SDPA's CPU flash op), forward and backward
-            for name, fn in {**ATEN_IMPLS, **ATTENTION_IMPLS}.items():
+            for name, fn in {**ATEN_IMPLS, **ATTENTION_IMPLS, **OUT_IMPLS}.items():
                 lib.impl(name, fn, "CPU")
         _state["lib"] = lib
 

@@ -37,3 +37,19 @@ def kernel_or(kernel, aten, what: str, served: bool = True):
         except FAILURES as e:
             report(e, what)
     return aten()
+
+
+def captured(name: str):
+    """ATen's own CPU kernel of aten::name ("mm.out", ...), taken before install() registers
+    autohc's, so that a call autohc does not serve can still reach it (an overridden `.out`
+    op has no other way back to ATen). None where this torch offers no such handle."""
+    import torch
+    try:
+        return torch._C._dispatch_get_computed_kernel_for_dispatch_key(f"aten::{name}", torch._C.DispatchKey.CPU)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def call_captured(kernel, *args, **kwargs):
+    import torch
+    return kernel.call_boxed(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args, **kwargs)
