@@ -359,8 +359,14 @@ def test_bench_step_autohc_under_compile():
 
 def test_bench_step_stock_vs_autohc():
     from autohc.bench.step import bench_step
-    r = bench_step("DiT-Ti/8", 2, image_size=16, steps=3, warmup=1, modes=["stock", "autohc"])
+    r = bench_step("DiT-Ti/8", 2, image_size=16, steps=3, warmup=1, modes=["stock", "autohc"],
+                   profile=True)
     assert r["stock_s"] > 0 and r["autohc_s"] > 0 and r["compiled_s"] is None
+    for mode in ("stock", "autohc"):        # --profile: shares of a step that add up
+        share = r["profile"][mode]["share"]
+        assert set(share) == {"gemm", "attention", "elementwise", "optimizer", "copies", "other"}
+        assert share["gemm"] > 0 and share["attention"] > 0 and share["optimizer"] > 0
+        assert abs(sum(share.values()) - 1) < 0.05
     assert r["speedup_vs_stock"] > 0 and r["max_loss_rel_diff"] < 1e-3
     assert len(r["losses"]["autohc"]) == 3
     # GEMMs and attention of DiT-Ti/8 at 16 px: 4 tokens; the count must at least hold the

@@ -78,6 +78,56 @@ class _Mode:
         self.rng = torch.get_rng_state()
 
 
+# `bench step --profile`: op classes by the profiler's event names (self time, so a kernel's
+# time counts once, in the op that ran it)
+GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
+COPY_OPS = {"aten::copy_", "aten::clone", "aten::cat", "aten::contiguous", "aten::_to_copy",
+            "aten::to", "aten::stack", "aten::index_select"}
+FREE_OPS = {"aten::view", "aten::reshape", "aten::permute", "aten::transpose", "aten::t",
+            "aten::expand", "aten::unsqueeze", "aten::squeeze", "aten::chunk", "aten::split",
+            "aten::unbind", "aten::select", "aten::slice", "aten::as_strided", "aten::empty",
+            "aten::empty_strided", "aten::empty_like", "aten::detach", "aten::alias",
+            "aten::_unsafe_view", "aten::flatten", "aten::narrow", "aten::lift_fresh",
+            "aten::resolve_conj", "aten::resolve_neg", "aten::result_type", "aten::linear",
+            "aten::matmul"}
+PROFILE_CLASSES = ("gemm", "attention", "elementwise", "optimizer", "copies", "other")
+
+
+def op_class(name: str) -> str | None:
+    """The class of a profiler event, or None for events that only hold others (autograd
+    nodes, compiled regions: their self time counts as "other" through the remainder)."""
+    if name in GEMM_OPS:
+        return "gemm"
+    if "scaled_dot_product" in name or name.startswith("autohc::attention"):
+        return "attention"
+    if name.startswith("Optimizer.") or "_foreach_" in name or "adam" in name.lower():
+        return "optimizer"
+    if name in COPY_OPS:
+        return "copies"
+    if name in FREE_OPS:
+        return "other"
+    if name.startswith(("aten::", "autohc::", "cpp_fused", "graph_")):
+        return "elementwise"
+    return None
+
+
+def profile_step(mode: "_Mode") -> dict:
+    """Shares of one step's wall time per op class (PROFILE_CLASSES), one profiled step."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        mode.step()
+    wall = mode.times.pop()         # not one of the timed steps
+    mode.losses.pop()
+    seconds = dict.fromkeys(PROFILE_CLASSES, 0.0)
+    for e in prof.key_averages():
+        cls = op_class(e.key)
+        if cls is not None:
+            seconds[cls] += e.self_cpu_time_total / 1e6
+    known = sum(v for k, v in seconds.items() if k != "other")
+    seconds["other"] = max(0.0, wall - known)
+    return {"wall_s": wall, "share": {k: v / wall for k, v in seconds.items()}}
+
+
 def step_flops(model: str, batch: int, image_size: int) -> float:
     """Floating-point operations of one training step (forward + backward: GEMMs and
     attention, as torch's FlopCounterMode counts them; element-wise work not included),
@@ -97,7 +147,8 @@ def step_flops(model: str, batch: int, image_size: int) -> float:
 
 def bench_step(model: str, batch: int, *, image_size: int = 32, steps: int = 10, warmup: int = 2,
                modes=MODES, threads: int | None = None,
-               torch_threads: int | None = None, first_use_tuning: bool = True, progress=None) -> dict:
+               torch_threads: int | None = None, first_use_tuning: bool = True, profile: bool = False,
+               progress=None) -> dict:
     if warmup >= steps:
         raise ValueError(f"--warmup {warmup} must be below --steps {steps}")
     if threads:
@@ -109,13 +160,13 @@ def bench_step(model: str, batch: int, *, image_size: int = 32, steps: int = 10,
         kw = {"first_use_tuning": first_use_tuning}
         if torch_threads is not None:
             kw["torch_threads"] = torch_threads
-        return _bench(model, batch, image_size, steps, warmup, modes, say, kw)
+        return _bench(model, batch, image_size, steps, warmup, modes, say, kw, profile)
     finally:
         if was_installed:
             override.install()
 
 
-def _bench(model, batch, image_size, steps, warmup, modes, say, install_kw) -> dict:
+def _bench(model, batch, image_size, steps, warmup, modes, say, install_kw, profile=False) -> dict:
     if {"compiled", "autohc+compile"} & set(modes):
         import torch._inductor.config as ic
         ic.fallback_random = True       # inductor draws label dropout as eager does
@@ -132,12 +183,16 @@ def _bench(model, batch, image_size, steps, warmup, modes, say, install_kw) -> d
             for r in runs:
                 r.step()
             say(f"  step {i + 1}/{steps}: " + ", ".join(f"{r.name} {r.times[-1]:.2f} s" for r in runs))
+        for r in runs if profile else ():
+            r.profile = profile_step(r)
     else:
         for m in modes:
             r = _Mode(m, model, batch, image_size, install_kw=install_kw)
             for i in range(steps):
                 r.step()
                 say(f"  {m} step {i + 1}/{steps}: {r.times[-1]:.2f} s")
+            if profile:
+                r.profile = profile_step(r)
             runs.append(r)
             r.model = r.forward = r.opt = None      # free it before the next mode
     flops = step_flops(model, batch, image_size)
@@ -168,4 +223,6 @@ def _bench(model, batch, image_size, steps, warmup, modes, say, install_kw) -> d
            "first_use_build_s": round(first_use.spent()["build_s"] - spent0["build_s"], 2),
            "max_loss_rel_diff": diff, "peak_rss_gb": peak_rss_gb(), "losses": losses,
            "step_times": {r.name: r.times for r in runs}}
+    if profile:
+        out["profile"] = {r.name: r.profile for r in runs}
     return out

@@ -145,6 +145,9 @@ def add_parsers(sub, bsub) -> None:
                    help="run the default GEMM kernels where the registry has no entry (default: "
                         "tune each new GEMM problem on first use, as install() does; that time "
                         "is reported apart)")
+    b.add_argument("--profile", action="store_true",
+                   help="after the timed steps, one profiled step per mode: the share of its time "
+                        "in GEMM, attention, element-wise, optimizer, copies and other")
     b.add_argument("--json", action="store_true", help="one JSON object")
 
 
@@ -298,7 +301,7 @@ def cmd_bench_step(args) -> int:
     r = bench_step(args.model, args.batch, image_size=args.image_size, steps=args.steps,
                    warmup=args.warmup, modes=args.modes, threads=args.threads,
                    torch_threads=args.torch_threads, first_use_tuning=not args.no_first_use_tuning,
-                   progress=lambda m: print(m, file=sys.stderr, flush=True))
+                   profile=args.profile, progress=lambda m: print(m, file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps(r, indent=2))
         return 0
@@ -317,4 +320,9 @@ def cmd_bench_step(args) -> int:
               f"between steps, {r['first_use_build_s']:.1f} s of compiles beside them")
     print(f"  max relative loss difference vs stock over {args.steps} steps: {r['max_loss_rel_diff']:.2e}; "
           f"peak RSS {r['peak_rss_gb']:.2f} GB")
+    if r.get("profile"):
+        classes = list(next(iter(r["profile"].values()))["share"])
+        print(f"  share of a profiled step: {'mode':15s}" + "".join(f"{c:>12s}" for c in classes))
+        for m, p in r["profile"].items():
+            print(f"  {'':26s}{m:15s}" + "".join(f"{100 * p['share'][c]:11.1f}%" for c in classes))
     return 0
