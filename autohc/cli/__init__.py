@@ -41,6 +41,14 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+
+def _step_args(p, model: str, batch: int, steps: int, model_note: str = "") -> None:
+    """--model, --batch, --steps, --warmup of the training-step benchmarks."""
+    p.add_argument("--model", default=model, help=f"DiT size (default: {model}{model_note})")
+    p.add_argument("--batch", type=positive_int, default=batch, help=f"images per step (default: {batch})")
+    p.add_argument("--steps", type=positive_int, default=steps, help=f"steps per run (default: {steps})")
+    p.add_argument("--warmup", type=positive_int, default=2, help="of which untimed (default: 2)")
+
 def _shape(text: str) -> tuple[int, int]:
     from ..kernels.gemm.problem import parse_shape
     try:
@@ -171,12 +179,23 @@ def build_parser() -> argparse.ArgumentParser:
                     "(saved activations moved to a tier after the forward pass, prefetched back for\n"
                     "backward), each in its own process: peak RSS, median step time, losses compared.",
         epilog="example:\n  autohc bench memory --model DiT-B/2 --batch 16 --tier file --json")
-    me.add_argument("--model", default="DiT-B/2", help="DiT size (default: DiT-B/2)")
-    me.add_argument("--batch", type=positive_int, default=16, help="images per step (default: 16)")
+    _step_args(me, "DiT-B/2", 16, 5)
     me.add_argument("--tier", default="file", help="file, file:DIR or bf16 (default: file)")
-    me.add_argument("--steps", type=positive_int, default=5, help="steps per run (default: 5)")
-    me.add_argument("--warmup", type=positive_int, default=2, help="of which untimed (default: 2)")
     me.add_argument("--json", action="store_true", help="one JSON object")
+    pa = bsub.add_parser(
+        "parallel", formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="the paper's Table 2 here: DP vs DP+TP vs CFTP, step time, peak memory, losses",
+        description="Trains a DiT on synthetic 256px latents three ways over this process's cores, each\n"
+                    "in fresh processes: dp (one process per core, DDP on gloo), dp+tp (one process per\n"
+                    "core, torch tensor parallel: ColwiseParallel qkv/fc1, RowwiseParallel proj/fc2) and\n"
+                    "cftp (one process, thread clusters splitting N of every GEMM, one copy of the\n"
+                    "model). All on autohc's kernels and torch's AdamW, label dropout off: median step\n"
+                    "time of the slowest rank, the sum of the processes' peak RSS, the losses compared.",
+        epilog="example:\n  autohc bench parallel --model DiT-S/2 --batch 16 --json")
+    _step_args(pa, "DiT-S/2", 16, 6, "; dp+tp needs its heads to split over the cores")
+    pa.add_argument("--strategies", nargs="+", choices=["dp", "dp+tp", "cftp"], default=["dp", "dp+tp", "cftp"],
+                    help="what to run (default: all three)")
+    pa.add_argument("--json", action="store_true", help="one JSON object")
     gate = bsub.add_parser(
         "gate", help="CI perf-regression gate on autohc/torch speed ratios",
         description="Measures autohc/torch speed ratios (interleaved, medians) on the DiT-XL/2 "
@@ -251,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
             return bench.cmd_bench_ops(args)
         if args.command == "bench" and args.what == "memory":
             return bench.cmd_bench_memory(args)
+        if args.command == "bench" and args.what == "parallel":
+            return bench.cmd_bench_parallel(args)
         if args.command == "bench" and args.what == "scale":
             return bench.cmd_bench_scale(args)
         if args.command in ("train", "sample", "eval") or getattr(args, "what", None) == "step":

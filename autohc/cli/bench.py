@@ -57,6 +57,25 @@ def cmd_bench_memory(args) -> int:
     return 0
 
 
+def cmd_bench_parallel(args) -> int:
+    from ..bench.parallel import bench_parallel
+    from ..dit.model import MODELS
+    if args.model not in MODELS:
+        raise ValueError(f"unknown model {args.model!r}; one of {', '.join(MODELS)}")
+    r = bench_parallel(args.model, args.batch, steps=args.steps, warmup=args.warmup,
+                       strategies=args.strategies,
+                       progress=lambda m: print(m, file=sys.stderr, flush=True))
+    if args.json:
+        print(json.dumps(r, indent=1))
+        return 0
+    print(f"{r['model']} batch {r['batch']}, median of {r['timed_steps']} steps:")
+    print(f"  {'strategy':9s} {'processes x threads':>20s} {'step s':>8s} {'peak GB':>8s} {'loss':>9s} {'vs cftp':>9s}")
+    for w in r["rows"]:
+        print(f"  {w['strategy']:9s} {w['processes']:>10d} x {w['threads_per_process']:<7d} {w['step_s']:8.3f} "
+              f"{w['peak_mem_gb']:8.2f} {w['loss']:9.5f} {w['loss_rel_diff']:9.1e}")
+    return 0
+
+
 def cmd_gate(args) -> int:
     from ..bench import gate
     path = Path(args.baseline) if args.baseline else gate.DEFAULT_BASELINE

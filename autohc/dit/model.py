@@ -130,11 +130,14 @@ class Attention(nn.Module):
         self.proj = nn.Linear(dim, dim, bias=True)
 
     def forward(self, x):
-        B, T, D = x.shape
-        qkv = self.qkv(x).reshape(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
+        B, T, _ = x.shape
+        qkv = self.qkv(x)
+        # the head dim from qkv's width: under tensor parallelism (bench/parallel.py) qkv holds
+        # this rank's heads only and `heads` counts them
+        hd = qkv.shape[-1] // (3 * self.heads)
+        q, k, v = qkv.reshape(B, T, 3, self.heads, hd).permute(2, 0, 3, 1, 4).unbind(0)
         x = F.scaled_dot_product_attention(q, k, v)
-        return self.proj(x.transpose(1, 2).reshape(B, T, D))
+        return self.proj(x.transpose(1, 2).reshape(B, T, self.heads * hd))
 
 
 class Mlp(nn.Module):

@@ -13,6 +13,7 @@ import numbers
 import numpy as np
 
 from ...hw import cpu
+from ...runtime import cftp
 from ...tune import registry
 from .kernel import default_kernel_params, get_kernel
 from .params import MAX_THREADS, GemmParams
@@ -35,7 +36,12 @@ def set_registry_miss_hook(hook) -> None:
 
 def tuned_params(m: int, k: int, n: int, sa, sb, threads: int) -> GemmParams:
     """The registry's configuration for this problem on this CPU, else (first-use tuning's
-    pick, when it is on, or) the default one."""
+    pick, when it is on, or) the default one; with CFTP on (runtime/cftp.py), its thread
+    geometry splits N across the clusters."""
+    return cftp.geometry(_chosen_params(m, k, n, sa, sb, threads))
+
+
+def _chosen_params(m: int, k: int, n: int, sa, sb, threads: int) -> GemmParams:
     layout = registry.layout_of(sa[0], sa[1], sb[0], sb[1])
     if layout is not None:              # (no registry file: lookup answers None)
         M, K, N = registry.linear_dims(layout, m, k, n)
