@@ -102,3 +102,25 @@ def test_bench_parallel_bad_inputs_are_one_line(capsys):
     assert "heads do not split" in capsys.readouterr().err
     assert main(["bench", "parallel", "--model", "DiT-S/8", "--batch", "3", "--strategies", "dp"]) == 1
     assert "does not split" in capsys.readouterr().err
+
+
+def _train(tmp_path, name, *extra):
+    out = tmp_path / name
+    assert main(["train", "--model", "DiT-S/8", "--data", "digits", "--steps", "3", "--batch", "8",
+                 "--threads", "2", "--out", str(out), "--no-progress", "--samples-per-class", "1",
+                 "--sample-steps", "1", "--json", *extra]) == 0
+    from autohc.dit import checkpoint
+    return checkpoint.load(checkpoint.latest(out)[0])["losses"]
+
+
+def test_train_cftp_gives_the_losses_of_a_plain_run(tmp_path, capsys):
+    plain = _train(tmp_path, "plain")
+    capsys.readouterr()
+    clustered = _train(tmp_path, "cftp", "--cftp", "2")
+    assert cftp.clusters() is None                      # the CLI turns it off at the end
+    for a, b in zip(clustered, plain):
+        assert abs(a - b) <= 1e-5 * abs(b)
+    capsys.readouterr()
+    assert main(["train", "--model", "DiT-Ti/8", "--data", "digits", "--steps", "1", "--threads", "2",
+                 "--out", str(tmp_path / "bad"), "--no-progress", "--cftp", "3"]) == 1
+    assert "do not split into 3 equal clusters" in capsys.readouterr().err

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..dit.model import MODELS
-from .argtypes import positive_float, positive_int, unit_interval
+from .argtypes import non_negative_int, positive_float, positive_int, unit_interval
 
 # bench/step.py's MODES, spelled here so that parsing the command line does not import torch
 # (autohc train sets torch's OpenMP spin before torch loads); a test keeps the two equal
@@ -66,6 +66,10 @@ def add_parsers(sub, bsub) -> None:
                    help="AutoMem: saved activations leave memory after the forward pass and are "
                         "prefetched back for backward: file (a temporary directory), file:DIR "
                         "(e.g. a local SSD) or bf16 (a bfloat16 copy: changes results slightly)")
+    t.add_argument("--cftp", type=non_negative_int, nargs="?", const=0, default=None, metavar="CLUSTERS",
+                   help="CFTP: thread clusters (default with no number: one per NUMA node) each own "
+                        "a slice of N of every GEMM, one copy of the model in the process, weights "
+                        "and AdamW moments first-touched by their cluster (DiT-HC section 4.1)")
     t.add_argument("--log-every", type=positive_int, default=50,
                    help="without a terminal (a batch job's log): a progress line every N steps (default: 50)")
     t.add_argument("--no-first-use-tuning", action="store_true",
@@ -207,7 +211,7 @@ def _train_in_group(args, launch) -> int:
                       learn_sigma=args.learn_sigma, sample_steps=args.sample_steps, cfg=args.cfg,
                       rank=launch.rank, world=launch.world,
                       comm="gloo" if args.no_comm_thread else "thread", log_every=args.log_every,
-                      automem=args.automem,
+                      automem=args.automem, cftp=args.cftp,
                       extra={"resume": args.resume})
     try:
         trainer = Trainer(cfg)
@@ -238,6 +242,9 @@ def _train_in_group(args, launch) -> int:
             trainer.comm_hook.close()
         if trainer.automem is not None:
             trainer.automem.close()
+        if trainer.cftp_clusters:
+            from ..runtime import cftp
+            cftp.disable()
     trainer.end_data_parallel()
     if launch.rank != 0:                # rank 0 plots, samples and reports
         return 0

@@ -57,6 +57,7 @@ class TrainConfig:
     comm: str = "thread"                # data parallel: "thread" (CommHook) or "gloo" (DDP's own)
     log_every: int = 50                 # without a terminal: a log line every N steps (rank 0)
     automem: str | None = None          # AutoMem tier for saved activations: file, file:DIR, bf16
+    cftp: int | None = None             # CFTP thread clusters (0: one per NUMA node); None: off
     extra: dict = field(default_factory=dict)
 
 
@@ -142,8 +143,23 @@ class Trainer:
             from ..runtime.automem import AutoMem
             from ..runtime.tiers import make_tier
             self.automem = AutoMem(make_tier(cfg.automem), self.model)
+        self.cftp_clusters = None
+        if cfg.cftp is not None:
+            self._cftp(cfg.cftp)
         if cfg.world > 1:
             self._data_parallel()
+
+    def _cftp(self, clusters: int) -> None:
+        """Every GEMM's N split across the thread clusters; weights (and, after the first step,
+        the AdamW moments) first-touched by the cluster that owns their rows."""
+        from ..runtime import cftp
+        from ..torch.threads import kernel_threads
+        if not self.cfg.autohc:
+            raise ValueError("--cftp needs autohc's kernels (drop --no-autohc)")
+        n = clusters or cftp.default_clusters()
+        cftp.enable(n, kernel_threads())
+        cftp.first_touch(self.model, self.opt, n)
+        self.cftp_clusters, self._moments_homed = n, bool(self.opt.state)
 
     def _data_parallel(self) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -219,6 +235,10 @@ class Trainer:
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
         self.opt.step()
+        if self.cftp_clusters and not self._moments_homed:     # the moments exist from now on
+            from ..runtime import cftp
+            cftp.first_touch(self.model, self.opt, self.cftp_clusters)
+            self._moments_homed = True
         ema_update(self.ema, self.model, self.cfg.ema, self.step)
         self.step += 1
         value = loss.item()
