@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from autohc.runtime.automem import AutoMem
-from autohc.runtime.tiers import Bf16Tier, FileTier, make_tier
+from autohc.runtime.tiers import Bf16Tier, FileTier, LinuxNuma, NumaTier, SimulatedNuma, make_tier
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64, torch.bfloat16, torch.bool])
@@ -29,8 +29,46 @@ def test_bf16_tier_is_close_and_says_so():
     back = Bf16Tier().get(Bf16Tier().put(t), t.shape, t.dtype)
     assert back.dtype == torch.float32 and torch.allclose(back, t, rtol=1e-2, atol=1e-2)
     assert not torch.equal(back, t)
-    with pytest.raises(ValueError, match="one of file, file:DIR, bf16"):
+    with pytest.raises(ValueError, match="one of file, file:DIR, bf16, numa"):
         make_tier("ssd")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64, torch.bfloat16])
+def test_numa_tier_round_trip_on_a_simulated_two_node_topology(dtype):
+    """The machine has one node: a simulated topology of two records where each mapping was
+    bound; the data path (mapping, copy in, copy out) is the real one."""
+    numa = SimulatedNuma(2)
+    tier = NumaTier(1, numa)
+    t = (torch.randn(37, 129, generator=torch.Generator().manual_seed(1)) * 1e3).to(dtype)
+    for x in (t, t.t(), t[:0]):
+        h = tier.put(x)
+        assert numa.node_of(tier.address(h)) == 1
+        back = tier.get(h, x.shape, x.dtype)
+        assert back.dtype == x.dtype and torch.equal(back, x)
+        tier.free(h)
+    h2 = tier.put(t)                                    # a freed mapping of the same size is reused
+    assert tier.address(h2) in numa.bound and torch.equal(tier.get(h2, t.shape, t.dtype), t)
+    tier.free(h2)
+    tier.close()
+    with pytest.raises(ValueError, match="node 5 is not a memory node"):
+        NumaTier(5, numa)
+
+
+def test_numa_tier_binds_for_real_on_this_machines_node():
+    numa = LinuxNuma()
+    node = numa.nodes()[0]
+    tier = NumaTier(node, numa)
+    t = torch.randn(300, 1000)
+    h = tier.put(t)
+    assert numa.node_of(tier.address(h)) == node        # move_pages: where the page really is
+    assert torch.equal(tier.get(h, t.shape, t.dtype), t)
+    tier.free(h)
+    tier.close()
+    if len(numa.nodes()) == 1:
+        with pytest.raises(ValueError, match="one memory node"):
+            make_tier("numa")
+    with pytest.raises(ValueError, match="not a memory node"):
+        make_tier("numa:999")
 
 
 class _Net(torch.nn.Module):
@@ -73,6 +111,18 @@ def test_training_steps_are_bit_identical_and_parameters_stay(tmp_path):
     params = {p.untyped_storage().data_ptr() for p in net.parameters()}
     assert params & set(seen), "linear saves its weight: the hook must be offered it"
     assert not params & set(stored), "a parameter went to the tier"
+
+
+def test_training_with_the_numa_tier_is_bit_identical():
+    torch.manual_seed(0)
+    net, x = _Net(), torch.randn(1024, 512)
+    want = [_step(net, x) for _ in range(2)]
+    am = AutoMem(NumaTier(0, SimulatedNuma(2)), net, min_bytes=1 << 10)
+    got = [_step(net, x, am) for _ in range(2)]
+    am.close()
+    assert am.stats["offloaded"] > 0
+    for (lw, gw), (lg, gg) in zip(want, got):
+        assert lw == lg and all(torch.equal(a, b) for a, b in zip(gw, gg))
 
 
 def test_prefetch_follows_the_recorded_order(tmp_path):

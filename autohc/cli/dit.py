@@ -65,7 +65,8 @@ def add_parsers(sub, bsub) -> None:
     t.add_argument("--automem", default=None, metavar="TIER",
                    help="AutoMem: saved activations leave memory after the forward pass and are "
                         "prefetched back for backward: file (a temporary directory), file:DIR "
-                        "(e.g. a local SSD) or bf16 (a bfloat16 copy: changes results slightly)")
+                        "(e.g. a local SSD), numa[:NODE] (a NUMA memory node: the capacity tier "
+                        "beside HBM) or bf16 (a bfloat16 copy: changes results slightly)")
     t.add_argument("--cftp", type=non_negative_int, nargs="?", const=0, default=None, metavar="CLUSTERS",
                    help="CFTP: thread clusters (default with no number: one per NUMA node) each own "
                         "a slice of N of every GEMM, one copy of the model in the process, weights "

@@ -9,6 +9,9 @@ tier, and how it comes back.
   recent ones, outside the process's RSS). Bit-exact.
 - Bf16Tier: float32 kept as a bfloat16 copy in memory (half the bytes); other dtypes as they
   are. Opt-in: it changes results slightly.
+- NumaTier: a NUMA memory node (HBM's DDR partner in flat mode, a far socket, CXL memory):
+  mappings bound with mbind before first touch. Bit-exact. SimulatedNuma stands in for a
+  topology the machine does not have (tests).
 """
 from __future__ import annotations
 
@@ -32,6 +35,31 @@ class Tier(Protocol):
     def close(self) -> None: ...
 
 
+class _BySize:
+    """Freed tier resources (open files, mappings) kept per byte size for the next tensor of
+    that size: a training step saves the same shapes every step."""
+
+    def __init__(self):
+        self._free: dict[int, list] = {}
+        self._lock = threading.Lock()
+
+    def take(self, size: int):
+        with self._lock:
+            items = self._free.get(size)
+            return items.pop() if items else None
+
+    def give(self, size: int, item) -> None:
+        with self._lock:
+            self._free.setdefault(size, []).append(item)
+
+    def drain(self, close) -> None:
+        with self._lock:
+            for items in self._free.values():
+                for item in items:
+                    close(item)
+            self._free.clear()
+
+
 class FileTier:
     """One file per saved tensor. A freed file is kept open for the next tensor of the same
     size (a training step saves the same shapes every step): rewriting it reuses its page-cache
@@ -42,15 +70,12 @@ class FileTier:
         self.dir = None if directory is None else os.fspath(directory)   # None: the system's temp
         if self.dir is not None:
             os.makedirs(self.dir, exist_ok=True)
-        self._free: dict[int, list[int]] = {}        # size -> open file descriptors to reuse
-        self._lock = threading.Lock()
+        self._free = _BySize()                          # open file descriptors to reuse
 
     def put(self, t: torch.Tensor) -> tuple[int, int]:
         data = t.detach().contiguous().view(torch.uint8).numpy().reshape(-1)
         size = data.nbytes
-        with self._lock:
-            fds = self._free.get(size)
-            fd = fds.pop() if fds else None
+        fd = self._free.take(size)
         if fd is None:
             fd, path = tempfile.mkstemp(prefix="autohc-automem-", suffix=".bin", dir=self.dir)
             os.unlink(path)             # nothing left on disk once the descriptor closes, even on a crash
@@ -72,15 +97,10 @@ class FileTier:
 
     def free(self, handle: tuple[int, int]) -> None:
         fd, size = handle
-        with self._lock:
-            self._free.setdefault(size, []).append(fd)
+        self._free.give(size, fd)
 
     def close(self) -> None:
-        with self._lock:
-            for fds in self._free.values():
-                for fd in fds:
-                    os.close(fd)
-            self._free.clear()
+        self._free.drain(os.close)
 
 
 class Bf16Tier:
@@ -100,14 +120,146 @@ class Bf16Tier:
         pass
 
 
-TIERS = {"file": FileTier, "bf16": Bf16Tier}
+# ------------------------------------------------------------------ NUMA tier
+
+MPOL_BIND = 2
+# (mbind, move_pages) syscall numbers per architecture (Linux)
+_SYSCALLS = {"x86_64": (237, 279), "aarch64": (235, 239), "ppc64le": (259, 301)}
+
+
+class LinuxNuma:
+    """The kernel's NUMA calls through libc's syscall(): mbind (bind a mapping's pages to a
+    node before they are touched) and move_pages (ask which node a page is on)."""
+
+    def __init__(self):
+        import ctypes
+        import platform
+        self.numbers = _SYSCALLS.get(platform.machine())
+        if self.numbers is None:
+            raise ValueError(f"AutoMem NUMA tier: no mbind/move_pages numbers for {platform.machine()}")
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.ctypes = ctypes
+
+    def nodes(self) -> list[int]:
+        """Online nodes with memory (CPU-less nodes too: HBM in flat mode, CXL memory)."""
+        from ..hw.cpu import parse_cpulist
+        path = "/sys/devices/system/node/has_memory"
+        try:
+            with open(path) as f:
+                return list(parse_cpulist(f.read().strip()))
+        except OSError:
+            return [0]
+
+    def bind(self, addr: int, length: int, node: int) -> None:
+        c = self.ctypes
+        mask = c.c_ulong(1 << node)
+        rc = self.libc.syscall(c.c_long(self.numbers[0]), c.c_void_p(addr), c.c_ulong(length),
+                               c.c_int(MPOL_BIND), c.byref(mask), c.c_ulong(node + 2), c.c_uint(0))
+        if rc != 0:
+            raise OSError(c.get_errno(), f"mbind to NUMA node {node}: {os.strerror(c.get_errno())}")
+
+    def node_of(self, addr: int) -> int:
+        c = self.ctypes
+        page = (c.c_void_p * 1)(addr)
+        status = (c.c_int * 1)(-1)
+        rc = self.libc.syscall(c.c_long(self.numbers[1]), c.c_int(0), c.c_ulong(1), page, None,
+                               status, c.c_int(0))
+        if rc != 0:
+            raise OSError(c.get_errno(), f"move_pages: {os.strerror(c.get_errno())}")
+        return status[0]
+
+
+class SimulatedNuma:
+    """A topology of `nodes` memory nodes on a machine with fewer: binding is recorded, not
+    done (the tests' stand-in for a two-node machine; the data path is the real one)."""
+
+    def __init__(self, nodes: int = 2):
+        self._nodes = list(range(nodes))
+        self.bound: dict[int, int] = {}     # mapping address -> node
+
+    def nodes(self) -> list[int]:
+        return list(self._nodes)
+
+    def bind(self, addr: int, length: int, node: int) -> None:
+        if node not in self._nodes:
+            raise OSError(22, f"mbind to NUMA node {node}: no such node")
+        self.bound[addr] = node
+
+    def node_of(self, addr: int) -> int:
+        return self.bound.get(addr, 0)
+
+
+class NumaTier:
+    """Tensors moved to one NUMA node (the capacity tier: DDR beside HBM in flat mode, or a
+    far node): an anonymous mapping bound to the node before its pages are touched, then the
+    bytes copied in; back by a copy into a new tensor. Bit-exact. Mappings of a freed size are
+    reused (a step saves the same shapes every step)."""
+    name = "numa"
+
+    def __init__(self, node: int, numa=None):
+        self.numa = numa or LinuxNuma()
+        if node not in self.numa.nodes():
+            raise ValueError(f"AutoMem NUMA tier: node {node} is not a memory node here "
+                             f"(nodes {self.numa.nodes()})")
+        self.node = node
+        self._free = _BySize()
+
+    def _mapping(self, size: int):
+        import mmap
+        m = self._free.take(size)
+        if m is not None:
+            return m
+        m = mmap.mmap(-1, max(size, 1))
+        import ctypes
+        self.numa.bind(ctypes.addressof(ctypes.c_char.from_buffer(m)), max(size, 1), self.node)
+        return m
+
+    def put(self, t: torch.Tensor):
+        import numpy as np
+        data = t.detach().contiguous().view(torch.uint8).numpy().reshape(-1)
+        m = self._mapping(data.nbytes)
+        np.frombuffer(m, dtype=np.uint8, count=data.nbytes)[:] = data
+        return m, data.nbytes
+
+    def address(self, handle) -> int:
+        import ctypes
+        return ctypes.addressof(ctypes.c_char.from_buffer(handle[0]))
+
+    def get(self, handle, shape, dtype) -> torch.Tensor:
+        import numpy as np
+        m, size = handle
+        out = torch.empty(size, dtype=torch.uint8)
+        out.numpy()[:] = np.frombuffer(m, dtype=np.uint8, count=size)
+        return out.view(dtype).reshape(shape)
+
+    def free(self, handle) -> None:
+        m, size = handle
+        self._free.give(size, m)
+
+    def close(self) -> None:
+        self._free.drain(lambda m: m.close())
+
+
+TIERS = {"file": FileTier, "bf16": Bf16Tier, "numa": NumaTier}
 
 
 def make_tier(spec: str) -> Tier:
-    """'file' (a temporary directory), 'file:DIR', or 'bf16'."""
+    """'file' (a temporary directory), 'file:DIR', 'bf16', or 'numa:NODE' (a memory node;
+    'numa' alone: the last one, where there is more than one)."""
     name, _, arg = spec.partition(":")
     if name == "file":
         return FileTier(arg or os.environ.get("AUTOHC_AUTOMEM_DIR") or None)
     if name == "bf16" and not arg:
         return Bf16Tier()
-    raise ValueError(f"AutoMem tier {spec!r}: one of file, file:DIR, bf16")
+    if name == "numa":
+        numa = LinuxNuma()
+        if arg:
+            if not arg.isdigit():
+                raise ValueError(f"AutoMem tier {spec!r}: numa:NODE takes a node number")
+            return NumaTier(int(arg), numa)
+        nodes = numa.nodes()
+        if len(nodes) < 2:
+            raise ValueError(f"AutoMem tier 'numa': this machine has one memory node ({nodes}); "
+                             "name it (numa:0) or use file")
+        return NumaTier(nodes[-1], numa)
+    raise ValueError(f"AutoMem tier {spec!r}: one of file, file:DIR, bf16, numa[:NODE]")
