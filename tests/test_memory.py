@@ -143,3 +143,30 @@ def test_refused_mapping_lets_free_blocks_go_then_says_so(pool, monkeypatch):
     monkeypatch.setattr(memory.mmap, "mmap", lambda *a, **k: (_ for _ in ()).throw(OSError(12, "no")))
     with pytest.raises(MemoryError, match=r"cannot map \d+ MB for a kernel result"):
         memory.fresh_empty(1 << 20)
+
+
+def test_huge_pages_switch(tmp_path):
+    """AUTOHC_HUGE_PAGES=0 turns transparent huge pages off for the process (the A/B switch of
+    the huge-page measurements); a bad value is one line."""
+    import os
+    import subprocess
+    import sys
+    from autohc.cli import main
+    from autohc.runtime import hugepages
+    code = ("from autohc.runtime import hugepages, memory\n"
+            "hugepages.apply_env()\n"
+            "t = memory.fresh_empty(4096, 4096); t.fill_(1)\n"
+            "print(hugepages.anon_huge_kb())\n")
+    kb = {}
+    for v in ("1", "0"):
+        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "AUTOHC_HUGE_PAGES": v},
+                             capture_output=True, text=True, check=True).stdout
+        kb[v] = int(out.split()[-1])
+    assert kb["0"] == 0
+    if hugepages.mode() in ("madvise", "always"):
+        assert kb["1"] > 0                              # the 64 MB block got huge pages
+    os.environ["AUTOHC_HUGE_PAGES"] = "2"
+    try:
+        assert main(["info"]) == 1
+    finally:
+        del os.environ["AUTOHC_HUGE_PAGES"]

@@ -235,6 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
+    from ..runtime import hugepages
+    try:
+        hugepages.apply_env()           # AUTOHC_HUGE_PAGES=0: before anything is allocated
+    except (ValueError, OSError) as e:
+        print(f"autohc: {e}", file=sys.stderr)
+        return 1
     if words[:1] in (["train"], ["sample"], ["eval"]) and "--no-autohc" not in words:
         from ..runtime import omp
         omp.prefer_short_spin()         # before anything imports torch: autohc/runtime/omp.py
