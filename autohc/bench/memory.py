@@ -22,7 +22,7 @@ def run_job(job: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp, autohc.installed(first_use_tuning=False):
         cfg = TrainConfig(model=job["model"], data="synthetic", steps=10**9, batch=job["batch"],
                           out=os.path.join(tmp, "run"), ckpt_every=10**9, image_size=32, channels=4,
-                          seed=0, automem=job["tier"])
+                          seed=0, automem=job["tier"], automem_state=bool(job["tier"] and job.get("state")))
         tr = Trainer(cfg)
         times = []
         for _ in range(job["steps"]):
@@ -32,6 +32,9 @@ def run_job(job: dict) -> dict:
         out = {"step_s": statistics.median(times[job["warmup"]:]), "times": times,
                "losses": list(tr.losses), "peak_gb": peak_rss_gb(),
                "stats": dict(tr.automem.stats) if tr.automem else None}
+        if tr.state_offload:
+            out["state_offloaded_gb"] = tr.state_offload.stats["offloaded_bytes"] / 2 ** 30
+            tr.state_offload.close()
         if tr.automem:
             tr.automem.close()
     return out
@@ -58,19 +61,22 @@ def _measure(job: dict) -> dict:
 
 
 def bench_memory(model: str = "DiT-B/2", batch: int = 16, tier: str = "file", *, steps: int = 5,
-                 warmup: int = 2, threads: int | None = None, progress=None) -> dict:
+                 warmup: int = 2, threads: int | None = None, state: bool = False, progress=None) -> dict:
+    """state: the optimizer's moments go to the tier between steps too (--automem-state)."""
     from ..runtime.tiers import make_tier
     make_tier(tier).close()                     # a bad tier name fails here, in one line
     if warmup >= steps:
         raise ValueError(f"warmup {warmup} must be below steps {steps}")
     say = progress or (lambda m: None)
-    job = {"model": model, "batch": batch, "steps": steps, "warmup": warmup, "threads": threads}
+    job = {"model": model, "batch": batch, "steps": steps, "warmup": warmup, "threads": threads,
+           "state": state}
     say(f"{model} batch {batch}: baseline")
     base = _measure({**job, "tier": None})
-    say(f"{model} batch {batch}: AutoMem, tier {tier}")
+    say(f"{model} batch {batch}: AutoMem, tier {tier}" + (", optimizer state too" if state else ""))
     am = _measure({**job, "tier": tier})
     diff = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(base["losses"], am["losses"]))
-    return {"model": model, "batch": batch, "tier": tier, "steps": steps,
+    return {"model": model, "batch": batch, "tier": tier, "steps": steps, "state": state,
+            "state_offloaded_gb": am.get("state_offloaded_gb"),
             "baseline_peak_gb": round(base["peak_gb"], 3), "automem_peak_gb": round(am["peak_gb"], 3),
             "peak_reduction": round(1 - am["peak_gb"] / base["peak_gb"], 4),
             "baseline_step_s": base["step_s"], "automem_step_s": am["step_s"],

@@ -181,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="example:\n  autohc bench memory --model DiT-B/2 --batch 16 --tier file --json")
     _step_args(me, "DiT-B/2", 16, 5)
     me.add_argument("--tier", default="file", help="file, file:DIR, numa[:NODE] or bf16 (default: file)")
+    me.add_argument("--state", action="store_true",
+                    help="the optimizer's moments to the tier between steps too (train --automem-state)")
     me.add_argument("--json", action="store_true", help="one JSON object")
     pa = bsub.add_parser(
         "parallel", formatter_class=argparse.RawDescriptionHelpFormatter,

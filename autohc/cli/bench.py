@@ -45,7 +45,7 @@ def cmd_bench_memory(args) -> int:
     if args.model not in MODELS:
         raise ValueError(f"unknown model {args.model!r}; one of {', '.join(MODELS)}")
     r = bench_memory(args.model, args.batch, args.tier, steps=args.steps, warmup=args.warmup,
-                     progress=lambda m: print(f"bench memory: {m}", file=sys.stderr, flush=True))
+                     state=args.state, progress=lambda m: print(f"bench memory: {m}", file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps(r, indent=1))
         return 0

@@ -67,6 +67,9 @@ def add_parsers(sub, bsub) -> None:
                         "prefetched back for backward: file (a temporary directory), file:DIR "
                         "(e.g. a local SSD), numa[:NODE] (a NUMA memory node: the capacity tier "
                         "beside HBM) or bf16 (a bfloat16 copy: changes results slightly)")
+    t.add_argument("--automem-state", action="store_true",
+                   help="with --automem: AdamW's moments also go to the tier between steps, back "
+                        "while backward runs (twice the parameters' bytes out of the peak)")
     t.add_argument("--cftp", type=non_negative_int, nargs="?", const=0, default=None, metavar="CLUSTERS",
                    help="CFTP: thread clusters (default with no number: one per NUMA node) each own "
                         "a slice of N of every GEMM, one copy of the model in the process, weights "
@@ -212,7 +215,7 @@ def _train_in_group(args, launch) -> int:
                       learn_sigma=args.learn_sigma, sample_steps=args.sample_steps, cfg=args.cfg,
                       rank=launch.rank, world=launch.world,
                       comm="gloo" if args.no_comm_thread else "thread", log_every=args.log_every,
-                      automem=args.automem, cftp=args.cftp,
+                      automem=args.automem, cftp=args.cftp, automem_state=args.automem_state,
                       extra={"resume": args.resume})
     try:
         trainer = Trainer(cfg)
@@ -243,6 +246,8 @@ def _train_in_group(args, launch) -> int:
             trainer.comm_hook.close()
         if trainer.automem is not None:
             trainer.automem.close()
+        if trainer.state_offload is not None:
+            trainer.state_offload.close()
         if trainer.cftp_clusters:
             from ..runtime import cftp
             cftp.disable()

@@ -58,6 +58,7 @@ class TrainConfig:
     log_every: int = 50                 # without a terminal: a log line every N steps (rank 0)
     automem: str | None = None          # AutoMem tier for saved activations: file, file:DIR, bf16
     cftp: int | None = None             # CFTP thread clusters (0: one per NUMA node); None: off
+    automem_state: bool = False         # AutoMem also for the optimizer state, between steps
     extra: dict = field(default_factory=dict)
 
 
@@ -143,6 +144,13 @@ class Trainer:
             from ..runtime.automem import AutoMem
             from ..runtime.tiers import make_tier
             self.automem = AutoMem(make_tier(cfg.automem), self.model)
+        self.state_offload = None
+        if cfg.automem_state:
+            if not cfg.automem:
+                raise ValueError("--automem-state needs --automem TIER (the tier the state goes to)")
+            from ..runtime.automem import StateOffload
+            from ..runtime.tiers import make_tier
+            self.state_offload = StateOffload(self.opt, make_tier(cfg.automem))
         self.cftp_clusters = None
         if cfg.cftp is not None:
             self._cftp(cfg.cftp)
@@ -207,6 +215,8 @@ class Trainer:
     def save(self) -> Path | None:
         if self.cfg.rank != 0:
             return None
+        if self.state_offload is not None:      # the moments belong in the checkpoint
+            self.state_offload.restore()
         p = checkpoint.save(self.state_dict(), self.out, self.step, self.cfg.keep)
         self.write_losses()
         return p
@@ -233,8 +243,14 @@ class Trainer:
         with self.automem if self.automem is not None else contextlib.nullcontext():
             loss = self.diffusion.training_loss(self.forward, x, t, y, noise, drop_draws=draws)
             self.opt.zero_grad(set_to_none=True)
+            if self.state_offload is not None:  # the moments come back while backward runs
+                self.state_offload.prefetch()
             loss.backward()
+        if self.state_offload is not None:
+            self.state_offload.restore()
         self.opt.step()
+        if self.state_offload is not None:
+            self.state_offload.offload()
         if self.cftp_clusters and not self._moments_homed:     # the moments exist from now on
             from ..runtime import cftp
             cftp.first_touch(self.model, self.opt, self.cftp_clusters)

@@ -17,6 +17,8 @@ and come back, prefetched one ahead on a helper thread, before backward needs th
   that, but it is measured, not assumed).
 - Back-pressure: at most AUTOHC_AUTOMEM_PENDING_MB (1024) wait to be written; the forward
   pass waits above it, so the peak cannot grow by what the tier has not taken yet.
+- Optimizer state (StateOffload, `--automem-state`): AdamW's moments in the tier between
+  steps, back on a helper thread while backward runs.
 - Helper threads: one thread each for offload and prefetch, pinned to the CPU plan's memory
   cores (AUTOHC_MEMORY_CORES; shared with compute on a machine too small), never the compute
   threads. Tiers are pluggable (runtime/tiers.py): a file (mmap'able, on local SSD), a bf16
@@ -164,6 +166,66 @@ class AutoMem:
     def close(self) -> None:
         self._offload.shutdown(wait=True)
         self._prefetch.shutdown(wait=True)
+        self.tier.close()
+
+
+class StateOffload:
+    """The optimizer's state (AdamW's two moments: twice the parameters' bytes) in a tier
+    between steps: written out after opt.step(), fetched back on a helper thread while
+    backward runs, put back before the next opt.step(). The forward and backward passes, where
+    a step's memory peaks, run without it.
+
+        so = StateOffload(opt, tier)
+        loss = model(x); so.prefetch(); loss.backward(); so.restore(); opt.step(); so.offload()
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, tier: Tier, *, min_bytes: int | None = None):
+        self.opt, self.tier = optimizer, tier
+        self.min_bytes = min_bytes_setting() if min_bytes is None else min_bytes
+        self._away: list = []               # (state dict, key, handle, shape, dtype)
+        self._back: Future | None = None
+        core = _memory_core()
+        self._helper = ThreadPoolExecutor(1, thread_name_prefix="autohc-automem-state",
+                                          initializer=cpu_plan.pin_this_thread, initargs=(core,))
+        self.stats = {"offloaded_bytes": 0, "steps": 0}
+
+    def offload(self) -> None:
+        """After opt.step(): every state tensor of min_bytes and more to the tier (in place of
+        it, an empty tensor until restore())."""
+        if self._away:
+            raise RuntimeError("StateOffload.offload: the state is already in the tier")
+        moved = 0
+        for state in self.opt.state.values():
+            for k, v in state.items():
+                if torch.is_tensor(v) and v.device.type == "cpu" and v.numel() * v.element_size() >= self.min_bytes:
+                    self._away.append((state, k, self.tier.put(v), v.shape, v.dtype))
+                    state[k] = v.new_empty(0)
+                    moved += v.numel() * v.element_size()
+        self.stats["offloaded_bytes"], self.stats["steps"] = moved, self.stats["steps"] + 1
+
+    def prefetch(self) -> None:
+        """Start reading the state back (e.g. when backward begins)."""
+        if self._away and self._back is None:
+            away = list(self._away)
+            self._back = self._helper.submit(lambda: [self.tier.get(h, shape, dtype)
+                                                      for _, _, h, shape, dtype in away])
+
+    def restore(self) -> None:
+        """Before opt.step(): the state back in place (waits for the prefetch)."""
+        if not self._away:
+            return
+        self.prefetch()
+        tensors = self._back.result()
+        for (state, k, h, _, _), t in zip(self._away, tensors):
+            state[k] = t
+            self.tier.free(h)
+        self._away, self._back = [], None
+
+    def close(self) -> None:
+        """The state back in memory (what follows may save a checkpoint), the helper thread and
+        the tier (this object's own) closed."""
+        self.restore()
+        self._helper.shutdown(wait=True)
         self.tier.close()
 
 
