@@ -243,9 +243,7 @@ class Trainer:
         with self.automem if self.automem is not None else contextlib.nullcontext():
             loss = self.diffusion.training_loss(self.forward, x, t, y, noise, drop_draws=draws)
             self.opt.zero_grad(set_to_none=True)
-            if self.state_offload is not None:  # the moments come back while backward runs
-                self.state_offload.prefetch()
-            loss.backward()
+            loss.backward()                     # (the moments start back mid-backward)
         if self.state_offload is not None:
             self.state_offload.restore()
         self.opt.step()

@@ -171,16 +171,24 @@ class AutoMem:
 
 class StateOffload:
     """The optimizer's state (AdamW's two moments: twice the parameters' bytes) in a tier
-    between steps: written out after opt.step(), fetched back on a helper thread while
-    backward runs, put back before the next opt.step(). The forward and backward passes, where
+    between steps: written out after opt.step(), fetched back on a helper thread from the
+    middle of backward on, put back before the next opt.step(). The forward and backward passes, where
     a step's memory peaks, run without it.
 
         so = StateOffload(opt, tier)
-        loss = model(x); so.prefetch(); loss.backward(); so.restore(); opt.step(); so.offload()
+        loss = model(x); loss.backward(); so.restore(); opt.step(); so.offload()
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, tier: Tier, *, min_bytes: int | None = None):
+    def __init__(self, optimizer: torch.optim.Optimizer, tier: Tier, *, min_bytes: int | None = None,
+                 at_fraction: float = 0.5):
         self.opt, self.tier = optimizer, tier
+        # the prefetch starts once this fraction of the parameters have their gradient: at the
+        # start of backward the activations are all still there (the step's peak), so the
+        # moments come back only once backward has freed part of them
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        self._trigger_at = max(1, int(len(params) * at_fraction))
+        self._grads_seen = 0
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
         self.min_bytes = min_bytes_setting() if min_bytes is None else min_bytes
         self._away: list = []               # (state dict, key, handle, shape, dtype)
         self._back: Future | None = None
@@ -202,9 +210,16 @@ class StateOffload:
                     state[k] = v.new_empty(0)
                     moved += v.numel() * v.element_size()
         self.stats["offloaded_bytes"], self.stats["steps"] = moved, self.stats["steps"] + 1
+        self._grads_seen = 0                    # the next backward's count starts here
+
+    def _grad_ready(self, _param) -> None:
+        self._grads_seen += 1
+        if self._grads_seen == self._trigger_at:
+            self.prefetch()
 
     def prefetch(self) -> None:
-        """Start reading the state back (e.g. when backward begins)."""
+        """Start reading the state back (done by itself part-way through backward, see
+        at_fraction; restore() waits for it or reads it)."""
         if self._away and self._back is None:
             away = list(self._away)
             self._back = self._helper.submit(lambda: [self.tier.get(h, shape, dtype)
@@ -219,12 +234,14 @@ class StateOffload:
         for (state, k, h, _, _), t in zip(self._away, tensors):
             state[k] = t
             self.tier.free(h)
-        self._away, self._back = [], None
+        self._away, self._back, self._grads_seen = [], None, 0
 
     def close(self) -> None:
         """The state back in memory (what follows may save a checkpoint), the helper thread and
         the tier (this object's own) closed."""
         self.restore()
+        for h in self._hooks:
+            h.remove()
         self._helper.shutdown(wait=True)
         self.tier.close()
 
