@@ -21,6 +21,7 @@ from .gemm import bench_problem
 
 DEFAULT_BASELINE = Path(__file__).resolve().parents[2] / "bench" / "baseline.json"
 MARGIN = 0.25          # a ratio may fall 25 % below its baseline before the gate fails
+RECHECKS = 3           # times a ratio that looks regressed is measured again before it counts
 GATE_THREADS = (1, 2)
 
 
@@ -125,9 +126,13 @@ def check(path: Path = DEFAULT_BASELINE, margin: float = MARGIN, progress=None) 
         return ok, [f"no baseline for this CPU ({info.model}, fingerprint {info.fingerprint}) in "
                     f"{path}: checking the floor (autohc vs the faster of torch and numpy)"] + lines
     now = measure_ratios(progress=progress)
-    # a shared machine has bad moments: re-measure what looks regressed once, longer
-    suspects = {k for k, ref in base["ratios"].items() if k in now and now[k] < ref * (1 - margin)}
-    if suspects:
+    # a shared machine has bad moments (a 2-thread GEMM of 8 rows fell from 1.45x to 1.09x
+    # torch in one CI run and was back at 1.45x minutes later): what looks regressed is
+    # measured again, longer, up to RECHECKS times; a real regression stays low every time
+    for _ in range(RECHECKS):
+        suspects = {k for k, ref in base["ratios"].items() if k in now and now[k] < ref * (1 - margin)}
+        if not suspects:
+            break
         again = measure_ratios(rounds=5, progress=progress, only=suspects)
         now.update({k: max(now[k], v) for k, v in again.items()})
     lines, ok = [], True
