@@ -25,12 +25,15 @@ STRATEGIES = ("dp", "dp+tp", "cftp")
 RESULT_TIMEOUT_S = 1800
 
 
-def _data(gen, batch: int, size: int):
-    import torch
-    x = torch.randn((batch, 4, size, size), generator=gen)
-    y = torch.randint(0, 1000, (batch,), generator=gen)
-    t = torch.randint(0, 1000, (batch,), generator=gen)
-    return x, t, y, torch.randn(x.shape, generator=gen)
+def check_split(strategy: str, model: str, batch: int, ranks: int) -> None:
+    """What a strategy needs of the model and batch over `ranks` ranks (one line if not)."""
+    from ..dit.model import config
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; one of {', '.join(STRATEGIES)}")
+    if strategy == "dp+tp" and config(model).heads % ranks:
+        raise ValueError(f"dp+tp: {model}'s {config(model).heads} heads do not split over {ranks} ranks")
+    if strategy == "dp" and batch % ranks:
+        raise ValueError(f"dp: batch {batch} does not split over {ranks} ranks")
 
 
 def _tensor_parallel(model, mesh) -> None:
@@ -39,11 +42,9 @@ def _tensor_parallel(model, mesh) -> None:
     column shard holds whole heads; each rank's attention then runs its own heads."""
     import torch
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    ranks = mesh.size()
+    ranks = mesh.size()                 # the heads split over them (check_split)
     for block in model.blocks:
         attn = block.attn
-        if attn.heads % ranks:
-            raise ValueError(f"dp+tp: {attn.heads} heads do not split over {ranks} ranks")
         D = attn.proj.in_features
         hd, local = D // attn.heads, attn.heads // ranks
         rows = torch.arange(3 * D).reshape(3, ranks, local * hd).transpose(0, 1).reshape(-1)
@@ -68,17 +69,16 @@ def _worker(strategy: str, model_name: str, batch: int, image_size: int, steps: 
         import torch
         import torch.distributed as dist
         from ..dit.diffusion import GaussianDiffusion
-        from ..dit.train import autohc_ops, build_model
+        from ..dit.train import autohc_ops
         from ..runtime import cftp
         from ..torch import dispatch
+        from .step import synthetic_batch, synthetic_model
         torch.set_num_threads(threads)
         dispatch.install(threads=threads, first_use_tuning=False)
         if world > 1:
             dist.init_process_group("gloo")
         torch.manual_seed(0)
-        model = build_model({"model": model_name, "input_size": image_size, "in_channels": 4,
-                             "num_classes": 1000, "class_dropout": 0.0, "learn_sigma": True},
-                            autohc_ops(True)).train()
+        model = synthetic_model(model_name, image_size, autohc_ops(True), class_dropout=0.0)
         forward = model
         if strategy == "dp":
             forward = torch.nn.parallel.DistributedDataParallel(model)
@@ -93,7 +93,7 @@ def _worker(strategy: str, model_name: str, batch: int, image_size: int, steps: 
         gen = torch.Generator().manual_seed(1)
         times, losses = [], []
         for i in range(steps):
-            x, t, y, noise = _data(gen, batch, image_size)
+            x, t, y, noise = synthetic_batch(gen, batch, image_size)
             if strategy == "dp":                # this rank's share of the batch
                 part = slice(batch * rank // world, batch * (rank + 1) // world)
                 x, t, y, noise = x[part], t[part], y[part], noise[part]
@@ -126,12 +126,9 @@ def run_strategy(strategy: str, model: str, batch: int, *, image_size: int = 32,
     """One strategy in fresh processes over `cores` cores (default: this process's CPUs)."""
     from ..runtime.dist import free_port
     from . import timing
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; one of {', '.join(STRATEGIES)}")
     cores = cores or len(os.sched_getaffinity(0))
+    check_split(strategy, model, batch, cores)
     world, threads = (1, cores) if strategy == "cftp" else (cores, 1)
-    if strategy == "dp" and batch % world:
-        raise ValueError(f"dp: batch {batch} does not split over {world} ranks")
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")     # inherited: torch's workers wait briefly
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -169,12 +166,8 @@ def bench_parallel(model: str, batch: int, *, image_size: int = 32, steps: int =
     if warmup >= steps:
         raise ValueError(f"--warmup {warmup} must be below --steps {steps}")
     say = progress or (lambda m: None)
-    from ..dit.model import config
-    cores = len(os.sched_getaffinity(0))
-    if "dp+tp" in strategies and config(model).heads % cores:
-        raise ValueError(f"dp+tp: {model}'s {config(model).heads} heads do not split over {cores} ranks")
-    if "dp" in strategies and batch % cores:
-        raise ValueError(f"dp: batch {batch} does not split over {cores} ranks")
+    for s in strategies:                # before the first strategy runs, not after
+        check_split(s, model, batch, len(os.sched_getaffinity(0)))
     rows = []
     for s in strategies:
         say(f"bench parallel: {s}, {model} batch {batch} ...")

@@ -34,6 +34,21 @@ from .peak import fma_peak_gflops
 MODES = ("stock", "compiled", "autohc", "autohc+compile")
 
 
+def synthetic_model(model: str, image_size: int, fused_ops=None, class_dropout: float = 0.1):
+    """The benchmarks' DiT: 4-channel latents, 1000 classes, learned sigma, in train mode."""
+    return build_model({"model": model, "input_size": image_size, "in_channels": 4, "num_classes": 1000,
+                        "class_dropout": class_dropout, "learn_sigma": True}, fused_ops).train()
+
+
+def synthetic_batch(gen: torch.Generator, batch: int, size: int):
+    """(latents, timesteps, labels, noise) of one step on 4-channel `size` x `size` latents and
+    1000 classes, drawn from `gen` (latents, labels, timesteps, noise, in that order)."""
+    x = torch.randn((batch, 4, size, size), generator=gen)
+    y = torch.randint(0, 1000, (batch,), generator=gen)
+    t = torch.randint(0, 1000, (batch,), generator=gen)
+    return x, t, y, torch.randn(x.shape, generator=gen)
+
+
 class _Mode:
     def __init__(self, name: str, model_name: str, batch: int, image_size: int, seed: int = 0,
                  install_kw: dict | None = None):
@@ -41,9 +56,7 @@ class _Mode:
         torch.manual_seed(seed)
         self.name = name
         self.on_autohc = name in ("autohc", "autohc+compile")
-        self.model = build_model({"model": model_name, "input_size": image_size, "in_channels": 4,
-                                  "num_classes": 1000, "class_dropout": 0.1, "learn_sigma": True},
-                                 autohc_ops(name == "autohc")).train()
+        self.model = synthetic_model(model_name, image_size, autohc_ops(name == "autohc"))
         self.opt = make_optimizer([p for p in self.model.parameters() if p.requires_grad], lr=1e-4,
                                   weight_decay=0.0, use_autohc=self.on_autohc)
         # autohc+compile: inductor compiles the stock model and fuses its element-wise work;
@@ -60,10 +73,7 @@ class _Mode:
     def step(self) -> None:
         torch.set_rng_state(self.rng)
         g = self.gen
-        x = torch.randn((self.batch, 4, self.size, self.size), generator=g)
-        y = torch.randint(0, 1000, (self.batch,), generator=g)
-        t = torch.randint(0, 1000, (self.batch,), generator=g)
-        noise = torch.randn(x.shape, generator=g)
+        x, t, y, noise = synthetic_batch(g, self.batch, self.size)
         ctx = override.installed(**self.install_kw) if self.on_autohc else contextlib.nullcontext()
         with ctx:
             t0 = time.perf_counter()
@@ -134,8 +144,7 @@ def step_flops(model: str, batch: int, image_size: int) -> float:
     counted on a stock model once."""
     from torch.utils.flop_counter import FlopCounterMode
     torch.manual_seed(0)
-    m = build_model({"model": model, "input_size": image_size, "in_channels": 4, "num_classes": 1000,
-                     "class_dropout": 0.1, "learn_sigma": True}, None).train()
+    m = synthetic_model(model, image_size)
     x = torch.randn(batch, 4, image_size, image_size)
     t = torch.randint(0, 1000, (batch,))
     y = torch.randint(0, 1000, (batch,))

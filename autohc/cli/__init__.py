@@ -42,12 +42,15 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 
-def _step_args(p, model: str, batch: int, steps: int, model_note: str = "") -> None:
-    """--model, --batch, --steps, --warmup of the training-step benchmarks."""
+def _step_args(p, model: str, batch: int | None, steps: int, model_note: str = "") -> None:
+    """--model, --batch (unless None: the command has its own), --steps, --warmup of the
+    training-step benchmarks."""
     p.add_argument("--model", default=model, help=f"DiT size (default: {model}{model_note})")
-    p.add_argument("--batch", type=positive_int, default=batch, help=f"images per step (default: {batch})")
+    if batch is not None:
+        p.add_argument("--batch", type=positive_int, default=batch, help=f"images per step (default: {batch})")
     p.add_argument("--steps", type=positive_int, default=steps, help=f"steps per run (default: {steps})")
     p.add_argument("--warmup", type=positive_int, default=2, help="of which untimed (default: 2)")
+
 
 def _shape(text: str) -> tuple[int, int]:
     from ..kernels.gemm.problem import parse_shape
@@ -164,10 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "bucket schedule; predicts weak-scaling efficiency up to 1024 ranks, and for the\n"
                     "DiT-HC paper's setting (DiT-XL/2, 13.18 s step, 48 GB/s links).",
         epilog="example:\n  autohc bench scale --model DiT-S/2 --batch-per-rank 8 --json")
-    sc.add_argument("--model", default="DiT-S/2", help="DiT size (default: DiT-S/2)")
+    _step_args(sc, "DiT-S/2", None, 6)
     sc.add_argument("--batch-per-rank", type=positive_int, default=8, help="images per rank (default: 8)")
-    sc.add_argument("--steps", type=positive_int, default=6, help="steps per run (default: 6)")
-    sc.add_argument("--warmup", type=positive_int, default=2, help="of which untimed (default: 2)")
     sc.add_argument("--netns", nargs="*", metavar="RATE", default=None,
                     help="also time the all-reduce between two network namespaces of this machine "
                          "(root): one run per link rate given (e.g. 1gbit 10gbit; none: unshaped)")

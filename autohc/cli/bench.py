@@ -7,11 +7,17 @@ import sys
 from pathlib import Path
 
 
+def _known_model(name: str) -> str:
+    """A DiT name of dit.model.MODELS, or one line saying which there are."""
+    from ..dit.model import MODELS
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; one of {', '.join(MODELS)}")
+    return name
+
+
 def cmd_bench_scale(args) -> int:
     from ..bench.scale import bench_scale
-    from ..dit.model import MODELS
-    if args.model not in MODELS:
-        raise ValueError(f"unknown model {args.model!r}; one of {', '.join(MODELS)}")
+    _known_model(args.model)
     rates = () if args.netns is None else (tuple(args.netns) or ("",))
     r = bench_scale(args.model, args.batch_per_rank, steps=args.steps, warmup=args.warmup,
                     netns_rates=rates, progress=lambda m: print(f"bench scale: {m}", file=sys.stderr, flush=True))
@@ -41,9 +47,7 @@ def cmd_bench_scale(args) -> int:
 
 def cmd_bench_memory(args) -> int:
     from ..bench.memory import bench_memory
-    from ..dit.model import MODELS
-    if args.model not in MODELS:
-        raise ValueError(f"unknown model {args.model!r}; one of {', '.join(MODELS)}")
+    _known_model(args.model)
     r = bench_memory(args.model, args.batch, args.tier, steps=args.steps, warmup=args.warmup,
                      state=args.state, progress=lambda m: print(f"bench memory: {m}", file=sys.stderr, flush=True))
     if args.json:
@@ -59,9 +63,7 @@ def cmd_bench_memory(args) -> int:
 
 def cmd_bench_parallel(args) -> int:
     from ..bench.parallel import bench_parallel
-    from ..dit.model import MODELS
-    if args.model not in MODELS:
-        raise ValueError(f"unknown model {args.model!r}; one of {', '.join(MODELS)}")
+    _known_model(args.model)
     r = bench_parallel(args.model, args.batch, steps=args.steps, warmup=args.warmup,
                        strategies=args.strategies,
                        progress=lambda m: print(m, file=sys.stderr, flush=True))

@@ -104,6 +104,11 @@ def lse_like(q: torch.Tensor) -> torch.Tensor:
     return torch.empty(B, L, H, dtype=torch.float32).transpose(1, 2)
 
 
+def _scale(scale: float | None, head_dim: int) -> float:
+    """SDPA's scale: 1/sqrt(head dim) unless given."""
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
 def _check(rc: int, what: str) -> None:
     if rc != 0:
         raise MemoryError(f"autohc attention {what}: a thread could not allocate its buffers")
@@ -117,7 +122,7 @@ def forward_kernel(q, k, v, scale: float | None):
     B, H, L, D = q.shape
     S = k.shape[2]
     out, lse = out_like_query(q), lse_like(q)
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    scale = _scale(scale, D)
     _check(fwd(_ptr(ffi, q), _ptr(ffi, k), _ptr(ffi, v), _ptr(ffi, out), _ptr(ffi, lse),
                B, H, L, S, D, _strides(ffi, q, k, v, out, lse), scale, kernel_threads()), "forward")
     return out, lse
@@ -131,7 +136,7 @@ def backward_kernel(grad, q, k, v, out, lse, scale: float | None):
     B, H, L, D = q.shape
     S = k.shape[2]
     dq, dk, dv = grad_like(q), grad_like(k), grad_like(v)
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    scale = _scale(scale, D)
     _check(bwd(_ptr(ffi, grad), _ptr(ffi, q), _ptr(ffi, k), _ptr(ffi, v), _ptr(ffi, out),
                _ptr(ffi, lse), _ptr(ffi, dq), _ptr(ffi, dk), _ptr(ffi, dv), B, H, L, S, D,
                _strides(ffi, q, k, v, out, grad, lse, dq, dk, dv), scale, kernel_threads()), "backward")
@@ -142,7 +147,7 @@ def backward_kernel(grad, q, k, v, out, lse, scale: float | None):
 
 def _math(q, k, v, scale):
     """The reference (ATen's math): other dtypes and the fallback of the custom op."""
-    s = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    s = (q @ k.transpose(-2, -1)) * _scale(scale, q.shape[-1])
     return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
 
 
@@ -173,7 +178,7 @@ def _attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                         out: torch.Tensor, lse: torch.Tensor,
                         scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     def math_path():
-        sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        sc = _scale(scale, q.shape[-1])
         p = torch.exp((q @ k.transpose(-2, -1)) * sc - lse.unsqueeze(-1))
         dp = grad @ v.transpose(-2, -1)
         ds = p * (dp - (grad * out).sum(-1, keepdim=True)) * sc

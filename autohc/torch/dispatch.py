@@ -63,19 +63,6 @@ def _serve(a: torch.Tensor, b: torch.Tensor, min_macs: int = MIN_MACS) -> bool:
     return b.shape[0] == k and m * n > 0 and m * n * k >= min_macs
 
 
-def _scaled_start(inp: torch.Tensor, shape, beta) -> torch.Tensor | None:
-    """A new float32 `shape` tensor holding inp broadcast (if beta != 0), or None if inp does
-    not broadcast to `shape` (ATen then raises its own error)."""
-    try:
-        src = inp.expand(shape)
-    except RuntimeError:
-        return None
-    out = fresh_empty(*shape)
-    if beta != 0:
-        out.copy_(src)
-    return out
-
-
 def _real(*scalars) -> bool:
     return not any(isinstance(s, complex) for s in scalars)
 
@@ -99,59 +86,17 @@ def _aten_out(name: str):
     return getattr(torch.ops.aten, name.split(".")[0]).out
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return fallback.kernel_or(
-        lambda: _autohc(gemm_into(a, b, fresh_empty(a.shape[0], b.shape[1]), 1.0, 0.0,
-                                  kernel_threads())),
-        lambda: _aten(_aten_out("mm.out")(a, b, out=a.new_empty(0))),
-        "mm", served=_serve(a, b))
-
-
-def _addmm(inp: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
-    start = (_scaled_start(inp, (m1.shape[0], m2.shape[1]), beta)
-             if _serve(m1, m2) and _ok(inp) and _real(beta, alpha) else None)
-    return fallback.kernel_or(
-        lambda: _autohc(gemm_into(m1, m2, start, float(alpha), float(beta), kernel_threads())),
-        lambda: _aten(_aten_out("addmm.out")(inp, m1, m2, beta=beta, alpha=alpha,
-                                             out=m1.new_empty(0))),
-        "addmm", served=start is not None)
-
-
 def _batched(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0] and a.shape[0] > 0 \
         and _serve(a[0], b[0], MIN_BMM_MACS)
 
 
-def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return fallback.kernel_or(
-        lambda: _autohc(bmm_into(a, b, fresh_empty(a.shape[0], a.shape[1], b.shape[2]), 1.0, 0.0,
-                                 kernel_threads())),
-        lambda: _aten(_aten_out("bmm.out")(a, b, out=a.new_empty(0))),
-        "bmm", served=_batched(a, b))
+def _mm_shape(a, b) -> tuple:
+    return (a.shape[0], b.shape[1])
 
 
-def _baddbmm(inp, b1, b2, *, beta=1, alpha=1):
-    start = (_scaled_start(inp, (b1.shape[0], b1.shape[1], b2.shape[2]), beta)
-             if _batched(b1, b2) and _ok(inp) and _real(beta, alpha) else None)
-    return fallback.kernel_or(
-        lambda: _autohc(bmm_into(b1, b2, start, float(alpha), float(beta), kernel_threads())),
-        lambda: _aten(_aten_out("baddbmm.out")(inp, b1, b2, beta=beta, alpha=alpha,
-                                               out=b1.new_empty(0))),
-        "baddbmm", served=start is not None)
-
-
-# ---- the `.out` forms: what torch.compile's inductor calls (extern_kernels.mm/addmm/bmm with
-# a buffer of its own), so that compiled graphs run their GEMMs on autohc too. A call not
-# served goes to ATen's own kernel, captured before the override.
-ATEN_OUT = {name: fallback.captured(name) for name in ("mm.out", "addmm.out", "bmm.out", "baddbmm.out")}
-
-
-def _fits(out: torch.Tensor, shape, *inputs: torch.Tensor) -> bool:
-    """out is a float32 row-major result of `shape` sharing no memory with the inputs."""
-    if not (_ok(out) and tuple(out.shape) == tuple(shape) and out.is_contiguous()):
-        return False
-    mem = out.untyped_storage().data_ptr()
-    return all(t.untyped_storage().data_ptr() != mem for t in inputs)
+def _bmm_shape(a, b) -> tuple:
+    return (a.shape[0], a.shape[1], b.shape[2])
 
 
 def _broadcasts(inp: torch.Tensor, shape) -> bool:
@@ -162,47 +107,92 @@ def _broadcasts(inp: torch.Tensor, shape) -> bool:
         return False
 
 
+def _plus_ok(pair_ok: bool, inp, beta, alpha, shape) -> bool:
+    """addmm/baddbmm: the pair served, inp a float32 CPU tensor that broadcasts to the result
+    (`shape()` is asked only then: ATen raises its own errors for the rest), real scalars."""
+    return pair_ok and _ok(inp) and _real(beta, alpha) and _broadcasts(inp, shape())
+
+
+def _fits(out: torch.Tensor, shape, *inputs: torch.Tensor) -> bool:
+    """out is a float32 row-major result of `shape` sharing no memory with the inputs."""
+    if not (_ok(out) and tuple(out.shape) == tuple(shape) and out.is_contiguous()):
+        return False
+    mem = out.untyped_storage().data_ptr()
+    return all(t.untyped_storage().data_ptr() != mem for t in inputs)
+
+
+def _result(served: bool, shape, like: torch.Tensor) -> torch.Tensor:
+    """The functional forms' result: a fresh block where autohc serves, else an empty tensor
+    for ATen's `.out` kernel to resize."""
+    return fresh_empty(*shape()) if served else like.new_empty(0)
+
+
 def _start_in(out: torch.Tensor, inp: torch.Tensor, beta) -> torch.Tensor:
     if beta != 0:
         out.copy_(inp.expand(out.shape))
     return out
 
 
-def _mm_out(a, b, *, out):
-    return fallback.kernel_or(
-        lambda: _autohc(gemm_into(a, b, out, 1.0, 0.0, kernel_threads())),
-        lambda: _aten(fallback.call_captured(ATEN_OUT["mm.out"], a, b, out=out)),
-        "mm", served=_serve(a, b) and _fits(out, (a.shape[0], b.shape[1]), a, b))
-
-
-def _plus_out(name: str, into, pair_ok: bool, shape, inp, x, y, beta, alpha, out):
-    """out := alpha * x @ y + beta * inp (addmm.out, baddbmm.out); shape is checked only
-    where the pair is served (ATen raises its own errors for the rest)."""
-    served = (pair_ok and _ok(inp) and _real(beta, alpha) and _broadcasts(inp, shape())
-              and _fits(out, shape(), x, y, inp))
+def _gemm(name: str, into, served: bool, out, x, y, inp=None, beta=0, alpha=1):
+    """out := alpha * x @ y (+ beta * inp where inp is given) by autohc's `into` (gemm_into,
+    bmm_into) where served, else by ATen's own `<name>.out` kernel into `out`: the one path
+    of the functional and the `.out` forms of mm, addmm, bmm and baddbmm."""
+    aten = _aten_out(f"{name}.out")
+    if inp is None:
+        return fallback.kernel_or(lambda: _autohc(into(x, y, out, 1.0, 0.0, kernel_threads())),
+                                  lambda: _aten(aten(x, y, out=out)), name, served=served)
     return fallback.kernel_or(
         lambda: _autohc(into(x, y, _start_in(out, inp, beta), float(alpha), float(beta),
                              kernel_threads())),
-        lambda: _aten(fallback.call_captured(ATEN_OUT[f"{name}.out"], inp, x, y, beta=beta,
-                                             alpha=alpha, out=out)),
-        name, served=served)
+        lambda: _aten(aten(inp, x, y, beta=beta, alpha=alpha, out=out)), name, served=served)
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    served = _serve(a, b)
+    return _gemm("mm", gemm_into, served, _result(served, lambda: _mm_shape(a, b), a), a, b)
+
+
+def _addmm(inp: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
+    served = _plus_ok(_serve(m1, m2), inp, beta, alpha, lambda: _mm_shape(m1, m2))
+    return _gemm("addmm", gemm_into, served, _result(served, lambda: _mm_shape(m1, m2), m1),
+                 m1, m2, inp, beta, alpha)
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    served = _batched(a, b)
+    return _gemm("bmm", bmm_into, served, _result(served, lambda: _bmm_shape(a, b), a), a, b)
+
+
+def _baddbmm(inp, b1, b2, *, beta=1, alpha=1):
+    served = _plus_ok(_batched(b1, b2), inp, beta, alpha, lambda: _bmm_shape(b1, b2))
+    return _gemm("baddbmm", bmm_into, served, _result(served, lambda: _bmm_shape(b1, b2), b1),
+                 b1, b2, inp, beta, alpha)
+
+
+# ---- the `.out` forms: what torch.compile's inductor calls (extern_kernels.mm/addmm/bmm with
+# a buffer of its own), so that compiled graphs run their GEMMs on autohc too. Served where
+# the buffer fits; a call not served goes to ATen's own kernel, captured before the override.
+ATEN_OUT = {name: fallback.captured(name) for name in ("mm.out", "addmm.out", "bmm.out", "baddbmm.out")}
+
+
+def _mm_out(a, b, *, out):
+    return _gemm("mm", gemm_into, _serve(a, b) and _fits(out, _mm_shape(a, b), a, b), out, a, b)
 
 
 def _addmm_out(inp, m1, m2, *, beta=1, alpha=1, out):
-    return _plus_out("addmm", gemm_into, _serve(m1, m2), lambda: (m1.shape[0], m2.shape[1]),
-                     inp, m1, m2, beta, alpha, out)
+    served = (_plus_ok(_serve(m1, m2), inp, beta, alpha, lambda: _mm_shape(m1, m2))
+              and _fits(out, _mm_shape(m1, m2), m1, m2, inp))
+    return _gemm("addmm", gemm_into, served, out, m1, m2, inp, beta, alpha)
 
 
 def _bmm_out(a, b, *, out):
-    return fallback.kernel_or(
-        lambda: _autohc(bmm_into(a, b, out, 1.0, 0.0, kernel_threads())),
-        lambda: _aten(fallback.call_captured(ATEN_OUT["bmm.out"], a, b, out=out)),
-        "bmm", served=_batched(a, b) and _fits(out, (a.shape[0], a.shape[1], b.shape[2]), a, b))
+    return _gemm("bmm", bmm_into, _batched(a, b) and _fits(out, _bmm_shape(a, b), a, b), out, a, b)
 
 
 def _baddbmm_out(inp, b1, b2, *, beta=1, alpha=1, out):
-    return _plus_out("baddbmm", bmm_into, _batched(b1, b2),
-                     lambda: (b1.shape[0], b1.shape[1], b2.shape[2]), inp, b1, b2, beta, alpha, out)
+    served = (_plus_ok(_batched(b1, b2), inp, beta, alpha, lambda: _bmm_shape(b1, b2))
+              and _fits(out, _bmm_shape(b1, b2), b1, b2, inp))
+    return _gemm("baddbmm", bmm_into, served, out, b1, b2, inp, beta, alpha)
 
 
 # registered only where ATen's own kernels could be captured (a call not served needs them)
