@@ -150,3 +150,29 @@ def test_nan_and_inf_propagate():
     same = ~torch.isnan(ref)
     assert torch.equal(torch.isnan(out), torch.isnan(ref))
     assert torch.equal(torch.isinf(out[same]), torch.isinf(ref[same]))
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
+def test_skinny_row_path_tiles_and_edges(isa):
+    """M <= skinny_m in NN and TN takes the unpacked register-tiled path: every row-tile
+    remainder (1..17 rows), K across its K blocks, ragged N (whole tiles, single vectors,
+    scalar columns), beta = 0 over NaN, and an Inf in B that must reach only its own column."""
+    if isa not in RUNNABLE:
+        pytest.skip(f"this CPU cannot run {isa}")
+    params = default_params(isa, 2)
+    torch.manual_seed(3)
+    for M in (1, 2, 5, 8, 9, 16):
+        for K in (1, 31, 32, 33, 200):
+            for N in (1, 15, 47, 48, 49, 161):
+                for ta in (False, True):
+                    a = torch.randn(K, M).t() if ta else torch.randn(M, K)
+                    b = torch.randn(K, N)
+                    alpha, beta = (1.0, 0.0) if (M + K + N) % 2 else (-0.5, 0.75)
+                    c0 = torch.randn(M, N)
+                    out = c0.clone() if beta else torch.full((M, N), float("nan"))
+                    res = autohc.matmul(a, b, out=out, alpha=alpha, beta=beta, params=params)
+                    check(res, a, b, c0, alpha, beta, f"{isa} M={M} K={K} N={N} ta={ta}")
+    a, b = torch.randn(8, 40), torch.randn(40, 50)
+    b[7, 49] = float("inf")
+    res = autohc.matmul(a, b, params=params)
+    assert torch.isinf(res[:, 49]).all() and torch.isfinite(res[:, :49]).all()

@@ -3,6 +3,7 @@ rendered source itself (kernels/family.py)."""
 from __future__ import annotations
 
 from ..family import exported_declarations
+from ..isa import ISAS
 from ..render import environment
 from .params import GemmParams
 
@@ -12,6 +13,7 @@ def render_gemm(params: GemmParams) -> str:
     p = params.validate()
     ctx = p.to_dict()
     ctx["fn"] = p.symbol
+    ctx["regs"] = ISAS[p.isa].registers      # sizes the skinny path's register tile
     ctx["params_comment"] = ", ".join(f"{k}={v}" for k, v in sorted(p.to_dict().items()))
     return environment().get_template("gemm/gemm.c.j2").render(**ctx)
 
