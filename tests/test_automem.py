@@ -1,5 +1,7 @@
 """AutoMem: tiers round-trip bit-exactly, the activation hook never offloads a parameter,
 prefetch follows the recorded order, and training with it gives the same losses."""
+import json
+
 import pytest
 import torch
 
@@ -149,9 +151,29 @@ def test_bench_memory_reports_the_keys(monkeypatch):
     for k in ("baseline_peak_gb", "automem_peak_gb", "baseline_step_s", "automem_step_s", "loss_rel_diff"):
         assert r[k] >= 0, k
     assert r["loss_rel_diff"] == 0.0                    # the file tier is exact
+    assert r["baseline_out_of_memory"] is False
     assert r["automem_stats"]["offloaded"] > 0
     with pytest.raises(ValueError, match="AutoMem tier"):
         bench_memory("DiT-Ti/8", 4, "tape")
+
+
+def test_bench_memory_reports_a_baseline_that_runs_out_of_memory(monkeypatch):
+    """The batch the baseline cannot hold (killed by the OOM killer, or an allocation torch
+    could not make) is reported as such, and the AutoMem run is still measured."""
+    from autohc.bench import memory
+    monkeypatch.setenv("AUTOHC_AUTOMEM_MIN_KB", "64")
+    for death in ("os.kill(os.getpid(), signal.SIGKILL)",
+                  "raise RuntimeError('[enforce fail at alloc_cpu.cpp:118] . DefaultCPUAllocator: "
+                  "can\\'t allocate memory: you tried to allocate 123 bytes.')"):
+        monkeypatch.setattr(memory, "CHILD", "import json, os, signal, sys\n"
+                            "from autohc.bench.memory import run_job\n"
+                            "job = json.loads(sys.argv[1])\n"
+                            f"if job['tier'] is None: {death}\n"
+                            "print(json.dumps(run_job(job)))")
+        r = memory.bench_memory("DiT-Ti/8", 2, "file", steps=2, warmup=1)
+        assert r["baseline_out_of_memory"] is True
+        assert r["baseline_peak_gb"] is None and r["peak_reduction"] is None
+        assert r["automem_peak_gb"] > 0 and len(r["automem_losses"]) == 2
 
 
 def test_optimizer_state_goes_to_the_tier_between_steps(tmp_path):
@@ -194,13 +216,16 @@ def test_train_automem_state_same_losses_and_whole_checkpoints(tmp_path, capsys)
     from autohc.cli import main
     from autohc.dit import checkpoint
     runs = {}
-    for name, extra in (("plain", []), ("state", ["--automem", "file", "--automem-state"])):
+    for name, extra in (("plain", ["--samples-per-class", "1"]),
+                        ("state", ["--automem", "file", "--automem-state", "--samples-per-class", "0"])):
         out = tmp_path / name
         assert main(["train", "--model", "DiT-Ti/8", "--data", "digits", "--steps", "3", "--batch", "8",
-                     "--out", str(out), "--ckpt-every", "2", "--no-progress", "--samples-per-class", "1",
+                     "--out", str(out), "--ckpt-every", "2", "--no-progress",
                      "--sample-steps", "1", "--json", *extra]) == 0
         runs[name] = checkpoint.load(checkpoint.latest(out)[0])
-    capsys.readouterr()
+        summary = json.loads(capsys.readouterr().out)
+        assert (out / "samples.png").exists() == (name == "plain")      # 0: no sample grid
+        assert (summary["samples_png"] is None) == (name == "state")
     assert runs["state"]["losses"] == runs["plain"]["losses"]
     moments = [v for st in runs["state"]["opt"]["state"].values() for k, v in st.items() if k != "step"]
     assert moments and all(v.numel() > 0 for v in moments)

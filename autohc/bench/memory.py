@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -54,10 +55,24 @@ def _measure(job: dict) -> dict:
         env["MALLOC_MMAP_THRESHOLD_"] = str(max(min_bytes_setting(), 128 << 10))
     r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(job)], env=env, capture_output=True,
                        text=True, timeout=7200)
+    if r.returncode == -signal.SIGKILL or _allocation_failed(r.stderr):
+        # the kernel's OOM killer (SIGKILL) or an allocation torch could not make: this batch
+        # does not fit in this machine's memory in that mode
+        return {"out_of_memory": True, "how": "killed (SIGKILL: the OOM killer)"
+                if r.returncode == -signal.SIGKILL else _last_line(r.stderr)}
     if r.returncode:
-        last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"status {r.returncode}"
-        raise RuntimeError(f"the {job['tier'] or 'baseline'} run failed: {last}")
+        raise RuntimeError(f"the {job['tier'] or 'baseline'} run failed: "
+                           f"{_last_line(r.stderr) or f'status {r.returncode}'}")
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _last_line(text: str) -> str:
+    return text.strip().splitlines()[-1] if text.strip() else ""
+
+
+def _allocation_failed(stderr: str) -> bool:
+    last = _last_line(stderr)
+    return last.startswith("MemoryError") or "can't allocate memory" in last or "not enough memory" in last
 
 
 def bench_memory(model: str = "DiT-B/2", batch: int = 16, tier: str = "file", *, steps: int = 5,
@@ -72,14 +87,24 @@ def bench_memory(model: str = "DiT-B/2", batch: int = 16, tier: str = "file", *,
            "state": state}
     say(f"{model} batch {batch}: baseline")
     base = _measure({**job, "tier": None})
+    if base.get("out_of_memory"):
+        say(f"{model} batch {batch}: the baseline ran out of memory ({base['how']})")
     say(f"{model} batch {batch}: AutoMem, tier {tier}" + (", optimizer state too" if state else ""))
     am = _measure({**job, "tier": tier})
-    diff = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(base["losses"], am["losses"]))
-    return {"model": model, "batch": batch, "tier": tier, "steps": steps, "state": state,
-            "state_offloaded_gb": am.get("state_offloaded_gb"),
-            "baseline_peak_gb": round(base["peak_gb"], 3), "automem_peak_gb": round(am["peak_gb"], 3),
-            "peak_reduction": round(1 - am["peak_gb"] / base["peak_gb"], 4),
-            "baseline_step_s": base["step_s"], "automem_step_s": am["step_s"],
-            "step_overhead": round(am["step_s"] / base["step_s"] - 1, 4),
-            "loss_rel_diff": diff, "automem_stats": am["stats"],
-            "baseline_losses": base["losses"], "automem_losses": am["losses"]}
+    if am.get("out_of_memory"):
+        raise RuntimeError(f"{model} batch {batch} runs out of memory with AutoMem too ({am['how']})")
+    r = {"model": model, "batch": batch, "tier": tier, "steps": steps, "state": state,
+         "state_offloaded_gb": am.get("state_offloaded_gb"),
+         "baseline_out_of_memory": bool(base.get("out_of_memory")),
+         "baseline_peak_gb": None, "automem_peak_gb": round(am["peak_gb"], 3), "peak_reduction": None,
+         "baseline_step_s": None, "automem_step_s": am["step_s"], "step_overhead": None,
+         "loss_rel_diff": None, "automem_stats": am["stats"],
+         "baseline_losses": None, "automem_losses": am["losses"]}
+    if not r["baseline_out_of_memory"]:
+        r.update(baseline_peak_gb=round(base["peak_gb"], 3),
+                 peak_reduction=round(1 - am["peak_gb"] / base["peak_gb"], 4),
+                 baseline_step_s=base["step_s"], step_overhead=round(am["step_s"] / base["step_s"] - 1, 4),
+                 loss_rel_diff=max(abs(a - b) / max(abs(a), 1e-12)
+                                   for a, b in zip(base["losses"], am["losses"])),
+                 baseline_losses=base["losses"])
+    return r

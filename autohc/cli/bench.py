@@ -54,6 +54,10 @@ def cmd_bench_memory(args) -> int:
         print(json.dumps(r, indent=1))
         return 0
     print(f"{r['model']} batch {r['batch']}, AutoMem tier {r['tier']}:")
+    if r["baseline_out_of_memory"]:
+        print(f"  without AutoMem: out of memory; with it: peak RSS {r['automem_peak_gb']:.2f} GB, "
+              f"step {r['automem_step_s']:.3f} s, losses {', '.join(f'{x:.4f}' for x in r['automem_losses'])}")
+        return 0
     print(f"  peak RSS {r['baseline_peak_gb']:.2f} GB -> {r['automem_peak_gb']:.2f} GB "
           f"({100 * r['peak_reduction']:.0f} % less)")
     print(f"  step {r['baseline_step_s']:.3f} s -> {r['automem_step_s']:.3f} s "

@@ -93,8 +93,9 @@ def add_parsers(sub, bsub) -> None:
                    help="label dropout for classifier-free guidance (default: 0.1)")
     t.add_argument("--learn-sigma", action="store_true",
                    help="model also outputs variance channels (reference layout; not trained by the MSE loss)")
-    t.add_argument("--samples-per-class", type=positive_int, default=8,
-                   help="samples per class in samples.png at the end (default: 8; up to 10 classes)")
+    t.add_argument("--samples-per-class", type=non_negative_int, default=8,
+                   help="samples per class in samples.png at the end (default: 8; up to 10 classes; "
+                        "0: no samples, e.g. for a large model's benchmark run)")
     _sampling_args(t)
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--json", action="store_true", help="print a JSON summary at the end")
@@ -256,11 +257,15 @@ def _train_in_group(args, launch) -> int:
         return 0
     out = Path(args.out)
     plot_losses(trainer.losses, out / "losses.png")
-    classes = list(range(min(10, trainer.data.num_classes)))
-    x, _ = _generate(trainer.ema.eval(), trainer.arch, classes, args.samples_per_class, args,
-                     progress=not args.no_progress)
-    save_grid(x, len(classes), out / "samples.png")
-    summary.update(out=str(out), losses_png=str(out / "losses.png"), samples_png=str(out / "samples.png"),
+    wrote = [out / "losses.png"]
+    if args.samples_per_class:
+        classes = list(range(min(10, trainer.data.num_classes)))
+        x, _ = _generate(trainer.ema.eval(), trainer.arch, classes, args.samples_per_class, args,
+                         progress=not args.no_progress)
+        save_grid(x, len(classes), out / "samples.png")
+        wrote.append(out / "samples.png")
+    summary.update(out=str(out), losses_png=str(out / "losses.png"),
+                   samples_png=str(out / "samples.png") if args.samples_per_class else None,
                    model=args.model, batch=args.batch, autohc=not args.no_autohc,
                    threads=kernel_threads())
     if args.json:
@@ -270,7 +275,7 @@ def _train_in_group(args, launch) -> int:
               f"{summary['steps_per_s']:.2f} steps/s, {summary['images_per_s']:.0f} images/s, "
               f"{summary['gflops']:.0f} GFLOP/s, final loss {summary['final_loss']:.4f}, "
               f"peak RSS {summary['peak_rss_gb']:.2f} GB\n"
-              f"autohc: wrote {out}/losses.png, {out}/samples.png; checkpoints in {out}")
+              f"autohc: wrote {', '.join(map(str, wrote))}; checkpoints in {out}")
     return 0
 
 
