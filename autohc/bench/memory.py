@@ -55,7 +55,7 @@ def _measure(job: dict) -> dict:
         env["MALLOC_MMAP_THRESHOLD_"] = str(max(min_bytes_setting(), 128 << 10))
     r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(job)], env=env, capture_output=True,
                        text=True, timeout=7200)
-    if r.returncode == -signal.SIGKILL or _allocation_failed(r.stderr):
+    if r.returncode == -signal.SIGKILL or (r.returncode and _allocation_failed(r.stderr)):
         # the kernel's OOM killer (SIGKILL) or an allocation torch could not make: this batch
         # does not fit in this machine's memory in that mode
         return {"out_of_memory": True, "how": "killed (SIGKILL: the OOM killer)"
