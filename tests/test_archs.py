@@ -55,7 +55,7 @@ def test_every_entry_gives_valid_defaults_and_searchable_candidates():
     for arch in archs.table():
         for isa in arch.gemm:
             d = default_params(isa, 2, arch.name)
-            assert d.jc_ways == 2
+            assert (d.jc_ways, d.ic_ways, d.jr_ways) == (1, 2, 1)     # one node: threads split M
             entries = isa_entries(space, isa)
             for p in [d] + [dataclasses.replace(d, **c).validate()
                             for c in archs.gemm_candidates(isa, arch)]:
@@ -88,3 +88,33 @@ def test_default_params_takes_this_cpus_entry_and_rejects_unknown_names():
         or "avx512" not in archs.select().gemm
     with pytest.raises(ValueError, match="no arch entry"):
         default_params("avx2", 1, "pentium")
+
+
+@pytest.mark.parametrize("threads,clusters,geometry", [
+    (1, 1, (1, 1, 1)), (2, 1, (1, 2, 1)), (4, 1, (1, 4, 1)), (8, 1, (1, 4, 2)), (32, 1, (1, 8, 4)),
+    (2, 2, (2, 1, 1)), (8, 2, (2, 4, 1)), (6, 4, (1, 3, 2))])
+def test_default_geometry_splits_n_by_node_and_m_within_one(threads, clusters, geometry):
+    """Clusters (NUMA nodes) own N slices; a node's threads share B and split M, then N by
+    JR; a thread count the clusters do not divide runs as one cluster."""
+    from autohc.kernels.gemm.params import thread_geometry
+    assert thread_geometry(threads, clusters) == geometry
+    d = default_params("avx2", threads, "haswell", clusters=clusters)
+    assert (d.jc_ways, d.ic_ways, d.jr_ways) == geometry and d.threads == threads
+
+
+def test_default_kernel_params_count_the_nodes_the_team_spans(monkeypatch):
+    from autohc.hw import cpu
+    from autohc.kernels.gemm import kernel
+    from autohc.runtime import plan
+    two_nodes = dataclasses.replace(cpu.detect(), cpus=(0, 1, 2, 3), numa_nodes=((0, 1), (2, 3)))
+    monkeypatch.setattr(cpu, "detect", lambda: two_nodes)
+    monkeypatch.setattr(plan, "current", lambda: plan.make_plan(two_nodes, 0, 0))
+    kernel.default_kernel_params.cache_clear()
+    try:
+        assert kernel.team_nodes(2) == 1 and kernel.team_nodes(4) == 2
+        p = kernel.default_kernel_params(4, "avx2")
+        assert (p.jc_ways, p.ic_ways, p.jr_ways) == (2, 2, 1)
+        p = kernel.default_kernel_params(2, "avx2")
+        assert (p.jc_ways, p.ic_ways, p.jr_ways) == (1, 2, 1)
+    finally:
+        kernel.default_kernel_params.cache_clear()

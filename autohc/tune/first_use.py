@@ -111,6 +111,10 @@ def _candidates(isa: str, default: GemmParams) -> list[GemmParams]:
             continue                    # a candidate this thread count cannot run
         if p != default and p not in out:
             out.append(p)
+    if default.threads > 1:             # every thread its own N slice (CFTP's split per thread)
+        p = dataclasses.replace(default, jc_ways=default.threads, ic_ways=1, jr_ways=1).validate()
+        if p != default and p not in out:
+            out.append(p)
     return out
 
 

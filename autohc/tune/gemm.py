@@ -19,9 +19,9 @@ from ..bench import timing
 from ..bench.gemm import set_blas_threads
 from ..build import BuildError, cache_dir
 from ..hw import cpu
-from ..kernels.gemm.kernel import KernelError, get_kernel
+from ..kernels.gemm.kernel import KernelError, default_kernel_params, get_kernel
 from ..kernels.gemm.matmul import matmul
-from ..kernels.gemm.params import GemmParams, ParamError, default_params
+from ..kernels.gemm.params import GemmParams, ParamError
 from ..kernels.gemm.problem import GemmProblem
 from . import pipeline, registry
 from .result import TuneResult
@@ -101,7 +101,7 @@ def tune_problem(problem: GemmProblem, threads: int = 1, *, trials: int | None =
                                 sampler=optuna.samplers.TPESampler(seed=seed, n_startup_trials=4),
                                 load_if_exists=True)
     if not study.trials:            # the default first: tuning never ends worse than it
-        for values in starting_points(default_params(isa, threads), isa):
+        for values in starting_points(default_kernel_params(threads, isa), isa):
             study.enqueue_trial(values)
     verifier = GemmVerifier(problem, seed)
 
@@ -132,7 +132,7 @@ def tune_problem(problem: GemmProblem, threads: int = 1, *, trials: int | None =
     if not complete:
         raise RuntimeError(f"tuning {name}: no trial completed (see the study in {store.url})")
     params, gflops, torch_gflops, default_gflops = final_race(
-        problem, threads, default_params(isa, threads), complete)
+        problem, threads, default_kernel_params(threads, isa), complete)
     result = TuneResult(problem, threads, params, gflops, torch_gflops, trials_done, False, name,
                         time.perf_counter() - t0, default_gflops=default_gflops)
     registry.record("gemm", problem.layout, problem.K, problem.N, problem.M, threads, params,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 
 from .codegen import gemm_cdef, render_gemm
-from .params import GemmParams, default_params
+from .params import GemmParams
 
 # the fields of GemmParams the template renders (isa and vl pick the back-end and are fixed
 # by it, except on the portable one, where vl is searched too)
@@ -31,7 +31,8 @@ class GemmFamily:
         return gemm_cdef(params)
 
     def default(self, isa: str, threads: int = 1) -> GemmParams:
-        return default_params(isa, threads)
+        from .kernel import default_kernel_params      # this CPU's plan: its NUMA clusters
+        return default_kernel_params(threads, isa)
 
     def knobs(self, kernel: str = "gemm") -> tuple[str, ...]:
         return KNOBS

@@ -7,7 +7,7 @@ import threading
 
 from ...build import Library, build
 from ...hw import cpu
-from ...runtime import pool
+from ...runtime import plan, pool
 from .codegen import gemm_cdef, render_gemm
 from .params import ISAS, GemmParams, default_params
 
@@ -85,4 +85,12 @@ def get_kernel(params: GemmParams) -> GemmKernel:
 
 @functools.lru_cache(maxsize=None)
 def default_kernel_params(threads: int, isa: str | None = None) -> GemmParams:
-    return default_params(isa or cpu.best_isa(), threads)
+    """The default on this CPU for `threads` team threads: one JC cluster per NUMA node that
+    the team spans (team thread t runs on the plan's compute core t, cores ordered by node)."""
+    return default_params(isa or cpu.best_isa(), threads, clusters=team_nodes(threads))
+
+
+def team_nodes(threads: int) -> int:
+    """NUMA nodes holding the compute cores of a team of `threads` threads."""
+    cores = set(plan.current().compute[:threads])
+    return max(1, sum(1 for node in cpu.detect().numa_nodes if cores & set(node)))
