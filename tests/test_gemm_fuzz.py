@@ -102,11 +102,16 @@ def test_fuzz_default_config_500(isa):
     run_fuzz(default_params(isa, 1), 500, seed=20261122)
 
 
+@pytest.mark.parametrize("clusters", [1, 2])
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
-def test_fuzz_two_clusters(isa):
+def test_fuzz_two_threads(isa, clusters):
+    """The 2-thread defaults: one cluster (threads split M, sharing B) and two (CFTP: the
+    clusters split N, or M where N < M, each thread packing all of B)."""
     if isa not in RUNNABLE:
         pytest.skip(f"this CPU cannot run {isa}")
-    run_fuzz(default_params(isa, 2), 200, seed=7)
+    p = default_params(isa, 2, clusters=clusters)
+    assert p.jc_ways == clusters
+    run_fuzz(p, 200, seed=7 + clusters)
 
 
 # Thread and buffering geometries with tiny tiles, so that every problem crosses many
