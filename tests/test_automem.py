@@ -26,6 +26,45 @@ def test_file_tier_round_trip_is_bit_exact(tmp_path, dtype):
     assert not list(tmp_path.iterdir())                 # nothing left behind
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool])
+def test_file_tier_take_maps_the_file_until_the_tensor_dies(tmp_path, dtype):
+    """take(): the file's pages mapped copy-on-write (bit-exact, no copy); its file is not
+    reused while the tensor lives, a write to the tensor never reaches the file, and once
+    the tensor (and every view of it) is gone the file serves the next tensor of its size."""
+    import gc
+    import os
+    from autohc.runtime.tiers import take
+    tier = FileTier(tmp_path)
+    t = (torch.randn(300, 1031, generator=torch.Generator().manual_seed(1)) * 100).to(dtype)
+    h = tier.put(t)
+    back = take(tier, h, t.shape, t.dtype)
+    assert back.dtype == dtype and torch.equal(back, t)
+    assert tier._free.take(h[1]) is None                # still mapped: not free to reuse
+    view = back[5:, 3:]
+    del back
+    gc.collect()
+    assert tier._free.take(h[1]) is None                # a view keeps it
+    view.zero_()                                        # copy-on-write: the file keeps t
+    file = torch.frombuffer(bytearray(os.pread(h[0], h[1], 0)), dtype=torch.uint8)
+    assert torch.equal(file.view(dtype).reshape(t.shape), t)
+    del view
+    gc.collect()
+    assert tier._free.take(h[1]) == h[0]                # the tensor died: its file is free
+    tier.free(h)
+    empty = torch.empty(0, 4)
+    assert take(tier, tier.put(empty), empty.shape, empty.dtype).shape == (0, 4)
+    h3 = tier.put(t)
+    alive = take(tier, h3, t.shape, t.dtype)
+    tier.close()                                        # closing leaves a live tensor intact
+    assert torch.equal(alive, t)
+    del alive
+    gc.collect()
+    import errno
+    with pytest.raises(OSError) as e:
+        os.fstat(h3[0])                                 # and closes its file when it dies
+    assert e.value.errno == errno.EBADF
+
+
 def test_bf16_tier_is_close_and_says_so():
     t = torch.randn(1000)
     back = Bf16Tier().get(Bf16Tier().put(t), t.shape, t.dtype)

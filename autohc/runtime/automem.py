@@ -33,7 +33,7 @@ import torch
 
 from . import plan as cpu_plan
 from . import settings
-from .tiers import Tier
+from .tiers import Tier, take
 
 MIN_BYTES = 1 << 20
 
@@ -111,10 +111,7 @@ class AutoMem:
                 self._drained.notify_all()
 
     def _fetch(self, s: _Saved) -> torch.Tensor:
-        handle = s.stored.result()
-        t = self.tier.get(handle, s.shape, s.dtype)
-        self.tier.free(handle)
-        return t
+        return take(self.tier, s.stored.result(), s.shape, s.dtype)
 
     def _unpack(self, s):
         if not isinstance(s, _Saved):
