@@ -93,3 +93,24 @@ def test_bad_switch_value_is_one_clear_error(fresh, monkeypatch):
     monkeypatch.setenv("AUTOHC_FIRST_USE", "maybe")
     with pytest.raises(ValueError, match="AUTOHC_FIRST_USE"):
         first_use.enable()
+
+
+def test_an_entry_that_kept_an_earlier_default_is_tuned_again(fresh):
+    """A first-use entry records whether it kept the default; where today's default is another
+    configuration (a new release), the problem is tuned again, not pinned to the old one."""
+    import dataclasses
+    from autohc.kernels.gemm import matmul as gm
+    from autohc.kernels.gemm.kernel import default_kernel_params
+    threads = 2
+    today = default_kernel_params(threads)
+    old = dataclasses.replace(today, jc_ways=2, ic_ways=1, jr_ways=1)
+    assert old != today
+    args = ("gemm", "NT", 384, 1152, 512, threads)
+    registry.record(*args, old, 100.0, 100.0, source="first-use", default_gflops=100.0, default_kept=True)
+    assert gm.tuned_params(512, 384, 1152, (384, 1), (1, 384), threads) == today       # not `old`
+    registry.record(*args, old, 100.0, 100.0, source="first-use", default_gflops=100.0)  # older entry
+    assert gm.tuned_params(512, 384, 1152, (384, 1), (1, 384), threads) == today
+    registry.record(*args, old, 120.0, 100.0, source="first-use", default_gflops=100.0)  # a winner
+    assert gm.tuned_params(512, 384, 1152, (384, 1), (1, 384), threads) == old
+    registry.record(*args, old, 100.0, 100.0, trials=5)                                  # autohc tune
+    assert gm.tuned_params(512, 384, 1152, (384, 1), (1, 384), threads) == old

@@ -196,6 +196,7 @@ def _race(t: Tuning) -> None:
     p = t.problem
     registry.record("gemm", p.layout, p.K, p.N, p.M, t.threads, t.chosen, gf[kept], 0.0,
                     source="first-use", default_gflops=round(gf["default"], 2),
+                    default_kept=kept == "default",
                     candidates=len(finalists) - 1, build_s=round(t.build_s, 2),
                     race_s=round(t.race_s, 2))
     t.state = "done"

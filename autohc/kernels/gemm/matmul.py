@@ -46,7 +46,7 @@ def _chosen_params(m: int, k: int, n: int, sa, sb, threads: int) -> GemmParams:
     if layout is not None:              # (no registry file: lookup answers None)
         M, K, N = registry.linear_dims(layout, m, k, n)
         hit = registry.lookup("gemm", layout, K, N, M, threads)
-        if hit is not None:
+        if hit is not None and not _outdated_default(hit, threads):
             return hit[0]
         hook = _registry_miss_hook
         if hook is not None:
@@ -54,6 +54,17 @@ def _chosen_params(m: int, k: int, n: int, sa, sb, threads: int) -> GemmParams:
             if chosen is not None:
                 return chosen
     return default_kernel_params(threads)
+
+
+def _outdated_default(hit, threads: int) -> bool:
+    """A first-use entry that kept the default of its day (`default_kept`; older entries: the
+    winner's figure equal to the default's), where today's default is another configuration:
+    tuned again on first use, not pinned to an earlier release's default."""
+    params, entry = hit
+    if entry.get("source") != "first-use":
+        return False
+    kept = entry.get("default_kept", entry.get("gflops") == entry.get("default_gflops"))
+    return bool(kept) and params != default_kernel_params(threads)
 
 
 # ----------------------------------------------------------------------------- operands
