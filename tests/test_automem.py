@@ -271,3 +271,24 @@ def test_train_automem_state_same_losses_and_whole_checkpoints(tmp_path, capsys)
     assert main(["train", "--data", "digits", "--steps", "1", "--out", str(tmp_path / "bad"),
                  "--no-progress", "--automem-state"]) == 1
     assert "--automem-state needs --automem" in capsys.readouterr().err
+
+
+def test_automem_caps_the_result_pool_while_it_runs(tmp_path, monkeypatch):
+    """Freed kernel results waiting in the result pool would keep offloaded activations in
+    RSS: AutoMem lowers the pool's cap (AUTOHC_AUTOMEM_POOL_MB), letting go of free blocks
+    past it, and close() puts the cap back."""
+    from autohc.runtime import memory
+    before = memory.pool.cap_bytes
+    kept = [memory.pool.empty((3 << 20,)) for _ in range(3)]     # 12 MiB blocks
+    del kept
+    assert memory.pool.free_bytes >= 3 * (12 << 20)
+    monkeypatch.setenv("AUTOHC_AUTOMEM_POOL_MB", "16")
+    am = AutoMem(FileTier(tmp_path))
+    assert memory.pool.cap_bytes == min(before, 16 << 20)
+    assert memory.pool.free_bytes <= 16 << 20
+    am.close()
+    assert memory.pool.cap_bytes == before
+    monkeypatch.setenv("AUTOHC_AUTOMEM_POOL_MB", "many")
+    with pytest.raises(ValueError, match="AUTOHC_AUTOMEM_POOL_MB"):
+        AutoMem(FileTier(tmp_path))
+    assert memory.pool.cap_bytes == before

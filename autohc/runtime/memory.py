@@ -110,6 +110,17 @@ class BufferPool:
                 self._free_bytes += size
         # else: dropped; unmapped once its last buffer export is gone
 
+    def set_cap(self, cap_bytes: int) -> int:
+        """A new cap on the free bytes (free blocks past it are let go now); the old cap back."""
+        with self._lock:
+            old, self.cap_bytes = self.cap_bytes, cap_bytes
+            for size in sorted(self._free, reverse=True):
+                blocks = self._free[size]
+                while blocks and self._free_bytes > cap_bytes:
+                    blocks.pop()
+                    self._free_bytes -= size
+            return old
+
     def clear(self) -> None:
         """Unmap every free block (blocks in use come back later as usual)."""
         with self._lock:
