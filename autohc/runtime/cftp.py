@@ -29,10 +29,7 @@ _state: dict = {"clusters": None}
 
 def default_clusters(p: cpu_plan.CpuPlan | None = None) -> int:
     """One cluster per NUMA node holding compute cores of this process."""
-    from ..hw import cpu
-    p = p or cpu_plan.current()
-    nodes = [n for n in cpu.detect().numa_nodes if set(n) & set(p.compute)]
-    return max(1, len(nodes))
+    return cpu_plan.nodes_spanned((p or cpu_plan.current()).compute)
 
 
 def cluster_cores(clusters: int, p: cpu_plan.CpuPlan | None = None) -> list[tuple[int, ...]]:

@@ -58,6 +58,12 @@ def current() -> CpuPlan:
     return make_plan()
 
 
+def nodes_spanned(cores) -> int:
+    """NUMA nodes holding any of `cores` (at least 1)."""
+    cores = set(cores)
+    return max(1, sum(1 for node in cpu.detect().numa_nodes if cores & set(node)))
+
+
 def pin_this_thread(core: int | None) -> None:
     """Run the calling thread (not the process) on `core`, e.g. a helper thread on the core
     its role was given; None leaves it where it is."""

@@ -47,18 +47,24 @@ class _BySize:
     def __init__(self):
         self._free: dict[int, list] = {}
         self._lock = threading.Lock()
+        self._drained = False
 
     def take(self, size: int):
         with self._lock:
             items = self._free.get(size)
             return items.pop() if items else None
 
-    def give(self, size: int, item) -> None:
+    def give(self, size: int, item) -> bool:
+        """Keep `item` for reuse; False once drained (the caller closes it: a tensor that held
+        it outlived the tier)."""
         with self._lock:
-            self._free.setdefault(size, []).append(item)
+            if not self._drained:
+                self._free.setdefault(size, []).append(item)
+            return not self._drained
 
     def drain(self, close) -> None:
         with self._lock:
+            self._drained = True
             for items in self._free.values():
                 for item in items:
                     close(item)
@@ -76,7 +82,6 @@ class FileTier:
         if self.dir is not None:
             os.makedirs(self.dir, exist_ok=True)
         self._free = _BySize()                          # open file descriptors to reuse
-        self._closed = False
 
     def put(self, t: torch.Tensor) -> tuple[int, int]:
         data = t.detach().contiguous().view(torch.uint8).numpy().reshape(-1)
@@ -103,10 +108,8 @@ class FileTier:
 
     def free(self, handle: tuple[int, int]) -> None:
         fd, size = handle
-        if self._closed:
+        if not self._free.give(size, fd):
             os.close(fd)
-        else:
-            self._free.give(size, fd)
 
     def take(self, handle: tuple[int, int], shape, dtype) -> torch.Tensor:
         """The file's page-cache pages mapped copy-on-write, no copy: reading a saved tensor
@@ -129,7 +132,6 @@ class FileTier:
 
     def close(self) -> None:
         """Files still mapped by live tensors close when those die."""
-        self._closed = True
         self._free.drain(os.close)
 
 
@@ -264,7 +266,8 @@ class NumaTier:
 
     def free(self, handle) -> None:
         m, size = handle
-        self._free.give(size, m)
+        if not self._free.give(size, m):
+            m.close()
 
     def close(self) -> None:
         self._free.drain(lambda m: m.close())

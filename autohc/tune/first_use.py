@@ -103,16 +103,15 @@ def forget() -> None:
 
 
 def _candidates(isa: str, default: GemmParams) -> list[GemmParams]:
+    overrides = archs.gemm_candidates(isa)
+    if default.threads > 1:             # every thread its own N slice (CFTP's split per thread)
+        overrides.append(dict(jc_ways=default.threads, ic_ways=1, jr_ways=1))
     out = []
-    for c in archs.gemm_candidates(isa):
+    for c in overrides:
         try:
             p = dataclasses.replace(default, **c).validate()
         except (ParamError, TypeError):
             continue                    # a candidate this thread count cannot run
-        if p != default and p not in out:
-            out.append(p)
-    if default.threads > 1:             # every thread its own N slice (CFTP's split per thread)
-        p = dataclasses.replace(default, jc_ways=default.threads, ic_ways=1, jr_ways=1).validate()
         if p != default and p not in out:
             out.append(p)
     return out

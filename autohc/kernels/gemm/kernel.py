@@ -92,5 +92,4 @@ def default_kernel_params(threads: int, isa: str | None = None) -> GemmParams:
 
 def team_nodes(threads: int) -> int:
     """NUMA nodes holding the compute cores of a team of `threads` threads."""
-    cores = set(plan.current().compute[:threads])
-    return max(1, sum(1 for node in cpu.detect().numa_nodes if cores & set(node)))
+    return plan.nodes_spanned(plan.current().compute[:threads])
