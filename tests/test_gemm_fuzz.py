@@ -128,11 +128,21 @@ STRESS = [
     dict(isa="portable", vl=4, mr=4, nr=8, kc=8, mc=8, nc=16, k_unroll=2, jc_ways=2, ic_ways=1, jr_ways=2, depth=3),
     dict(isa="portable", vl=8, mr=3, nr=16, kc=9, mc=9, nc=32, k_unroll=4, jc_ways=1, ic_ways=3, jr_ways=1, depth=1,
          skinny_m=64),
+    # a_outer (BLIS's loop order): a way's threads share its A blocks (equal blocks of whole
+    # micro-panels, two buffers, one barrier each) and split its N slice into own B panels
+    dict(isa="avx2", mr=6, nr=16, kc=8, mc=24, nc=32, k_unroll=4, jc_ways=1, ic_ways=2, jr_ways=1, a_outer=True),
+    dict(isa="avx512", mr=12, nr=32, kc=12, mc=36, nc=64, k_unroll=4, jc_ways=2, ic_ways=1, jr_ways=1,
+         a_outer=True, skinny_m=0),                     # one thread per way: ways split M or N
+    dict(isa="portable", vl=4, mr=4, nr=8, kc=8, mc=12, nc=16, k_unroll=2, jc_ways=1, ic_ways=1, jr_ways=3,
+         a_outer=True, prefetch_c=False),
+    dict(isa="portable", vl=4, mr=5, nr=8, kc=7, mc=10, nc=24, k_unroll=1, jc_ways=2, ic_ways=2, jr_ways=1,
+         a_outer=True),
 ]
 
 
 @pytest.mark.parametrize("cfg", STRESS, ids=lambda c: f"{c['isa']}-{c['mr']}x{c['nr']}-"
-                         f"{c['jc_ways']}x{c['ic_ways']}x{c['jr_ways']}-d{c['depth']}")
+                         f"{c['jc_ways']}x{c['ic_ways']}x{c['jr_ways']}-"
+                         f"{'a_outer' if c.get('a_outer') else 'd' + str(c.get('depth', 2))}")
 def test_fuzz_stress_geometries(cfg):
     cfg = dict(cfg)
     isa = cfg["isa"]

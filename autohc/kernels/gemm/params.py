@@ -24,7 +24,7 @@ RANGES: dict[str, tuple[int, int]] = {
 }
 CHOICES: dict[str, tuple] = {
     "isa": tuple(ISAS), "k_unroll": (1, 2, 4, 8), "depth": (1, 2, 3),
-    "prefetch_c": (False, True),
+    "prefetch_c": (False, True), "a_outer": (False, True),
 }
 # names of earlier releases, still read from registries written by them
 LEGACY_NAMES = {"clusters": "jc_ways", "tm": "ic_ways", "tn": "jr_ways"}
@@ -51,6 +51,9 @@ class GemmParams:
     prefetch_b: int = 0
     prefetch_c: bool = True         # touch the C tile before the k loop
     skinny_m: int = 16              # M up to this, NT layout: unpacked dot-product path (0: off)
+    # True: BLIS's loop order (templates/gemm: A_OUTER): a large A block (mc, L3) outside,
+    # small B panels (nc, L2) inside, ir outside jr; False: the B panel outside (nc, L3)
+    a_outer: bool = False
 
     @property
     def threads(self) -> int:
@@ -119,7 +122,8 @@ def thread_geometry(threads: int, clusters: int = 1) -> tuple[int, int, int]:
     2-D partition of the ways between M and N). Splitting N between threads that share a node
     makes each pack all of A: measured on an Intel Xeon model 207, 2 threads, DiT-S/2
     GEMMs (M 2048, K 384-1536, N 384-1536): 1 x 2 x 1 at 1.00-1.27x 2 x 1 x 1, DiT-XL/2
-    GEMMs within 4 % either way."""
+    GEMMs within 4 % either way. (In the a_outer loop order a way's threads share its A
+    blocks and split its N slice instead, each packing its own B panels.)"""
     if clusters < 1 or threads % clusters:
         clusters = 1
     tpc = threads // clusters
