@@ -176,11 +176,56 @@ def test_prefetch_follows_the_recorded_order(tmp_path):
     fetched = []
     fetch = am._fetch
     am._fetch = lambda s: fetched.append(s.index) or fetch(s)
-    _step(net, x, am)
+    net.zero_grad()
+    with am:
+        loss = net(x)
+        for s in list(am._saved.values()):              # every write done: all are read back
+            s.stored.result()
+        loss.backward()
     am.close()
     assert am._unpacked == order                        # backward asked in the recorded order
     assert fetched == order                             # and each was fetched in that order
     assert am.stats["waited"] >= 1 and am.stats["prefetched"] >= len(order) - 1
+
+
+def test_a_tensor_still_queued_at_backward_is_used_from_memory(tmp_path):
+    """Backward needs the forward's last saves first, while they may still wait in the
+    offload queue: they are used as they are (write cancelled, or its copy freed once done),
+    never waited for and read back, and the tier keeps nothing."""
+    import threading
+
+    class Gated:                                        # a tier whose writes wait for a gate
+        def __init__(self):
+            self.inner, self.gate, self.puts, self.live = FileTier(tmp_path), threading.Event(), 0, 0
+
+        def put(self, t):
+            self.gate.wait()
+            self.puts += 1
+            self.live += 1
+            return self.inner.put(t)
+
+        def free(self, handle):
+            self.live -= 1
+            self.inner.free(handle)
+
+        def get(self, handle, shape, dtype):
+            return self.inner.get(handle, shape, dtype)
+
+        def close(self):
+            self.inner.close()
+
+    torch.manual_seed(0)
+    net, x = _Net(), torch.randn(1024, 512)
+    want = _step(net, x)
+    tier = Gated()
+    am = AutoMem(tier, net, min_bytes=1 << 20)
+    got = _step(net, x, am)                             # the gate is shut for the whole step
+    assert am.stats["offloaded"] >= 4 and am.stats["unqueued"] == am.stats["offloaded"]
+    assert am.stats["waited"] == 0 and tier.puts == 0
+    tier.gate.set()                                     # the one write that had started ends
+    am.close()
+    assert tier.puts <= 1 and tier.live == 0            # the rest were cancelled; nothing kept
+    assert want[0] == got[0] and all(torch.equal(a, b) for a, b in zip(want[1], got[1]))
 
 
 def test_bench_memory_reports_the_keys(monkeypatch):

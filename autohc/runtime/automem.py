@@ -42,10 +42,11 @@ MIN_BYTES = 1 << 20
 
 class _Saved:
     """One saved tensor's way through the tier."""
-    __slots__ = ("index", "stored", "fetched", "shape", "dtype")
+    __slots__ = ("index", "stored", "fetched", "shape", "dtype", "held", "nbytes")
 
-    def __init__(self, index: int, shape, dtype):
-        self.index, self.shape, self.dtype = index, shape, dtype
+    def __init__(self, index: int, shape, dtype, held: torch.Tensor, nbytes: int):
+        self.index, self.shape, self.dtype, self.nbytes = index, shape, dtype, nbytes
+        self.held: torch.Tensor | None = held   # the tensor itself until the tier has it
         self.stored: Future | None = None       # tier handle, once written
         self.fetched: Future | None = None      # the tensor, once read back
 
@@ -82,7 +83,9 @@ class AutoMem:
         self._saved: dict[int, _Saved] = {}
         self._lock = threading.Lock()
         self._hooks = None
-        self.stats = {"offloaded": 0, "offloaded_bytes": 0, "kept": 0, "prefetched": 0, "waited": 0}
+        # unqueued: used from memory at unpack, its write cancelled or its copy dropped
+        self.stats = {"offloaded": 0, "offloaded_bytes": 0, "kept": 0, "prefetched": 0, "waited": 0,
+                      "unqueued": 0}
 
     def protect(self, model: torch.nn.Module) -> None:
         """Parameters of `model` are never offloaded (nor any view of their storage)."""
@@ -96,56 +99,81 @@ class AutoMem:
                 or t.numel() * t.element_size() < self.min_bytes):
             self.stats["kept"] += 1
             return t
-        with self._lock:
-            s = _Saved(len(self._saved), t.shape, t.dtype)
-            self._saved[s.index] = s
         nbytes = t.numel() * t.element_size()
+        with self._lock:
+            s = _Saved(len(self._saved), t.shape, t.dtype, t, nbytes)
+            self._saved[s.index] = s
         with self._drained:
             while self.max_pending and self._pending and self._pending + nbytes > self.max_pending:
                 self._drained.wait()
             self._pending += nbytes
-        s.stored = self._offload.submit(self._put, t, nbytes)   # holds t until written
+        s.stored = self._offload.submit(self._put, s)
         self.stats["offloaded"] += 1
         self.stats["offloaded_bytes"] += nbytes
         return s
 
-    def _put(self, t: torch.Tensor, nbytes: int):
+    def _put(self, s: _Saved):
         try:
-            return self.tier.put(t)
+            t = s.held
+            return None if t is None else self.tier.put(t)   # None: unpack took it meanwhile
         finally:
-            del t
-            with self._drained:
-                self._pending -= nbytes
-                self._drained.notify_all()
+            s.held = None           # the tier has it: the memory goes once autograd lets go
+            self._release(s.nbytes)
+
+    def _release(self, nbytes: int) -> None:
+        with self._drained:
+            self._pending -= nbytes
+            self._drained.notify_all()
 
     def _fetch(self, s: _Saved) -> torch.Tensor:
         return take(self.tier, s.stored.result(), s.shape, s.dtype)
+
+    def _drop_written(self, stored: Future) -> None:
+        """A tensor used from memory after all: its copy in the tier is not needed."""
+        if not stored.cancelled() and stored.exception() is None and stored.result() is not None:
+            self.tier.free(stored.result())
 
     def _unpack(self, s):
         if not isinstance(s, _Saved):
             return s
         self._unpacked.append(s.index)
-        if s.fetched is None:
-            self.stats["waited"] += 1
-            s.fetched = self._prefetch.submit(self._fetch, s)
-        t = s.fetched.result()
+        t = s.held
+        if t is not None:
+            # Not yet in the tier (the tail of the forward pass, which backward needs first):
+            # use it as it is, instead of waiting behind the offload queue to read it back.
+            if s.stored.cancel():
+                self._release(s.nbytes)
+            else:
+                s.stored.add_done_callback(self._drop_written)
+            s.held = None
+            self.stats["unqueued"] += 1
+        else:
+            if s.fetched is None:
+                self.stats["waited"] += 1
+                s.fetched = self._prefetch.submit(self._fetch, s)
+            t = s.fetched.result()
         with self._lock:
             self._saved.pop(s.index, None)
         self._prefetch_after(s.index)
         return t
 
     def _prefetch_after(self, index: int) -> None:
-        """Start reading the tensor that backward needs after this one (recorded order)."""
+        """Start reading the tensor that backward needs after this one (recorded order); past
+        those still in memory (not yet written), which need no read."""
         if not self.order:
             return
         try:
-            nxt = self.order[self.order.index(index) + 1]
-        except (ValueError, IndexError):
+            at = self.order.index(index) + 1
+        except ValueError:
             return
-        s = self._saved.get(nxt)
-        if s is not None and s.fetched is None:
-            s.fetched = self._prefetch.submit(self._fetch, s)
-            self.stats["prefetched"] += 1
+        for nxt in self.order[at:]:
+            s = self._saved.get(nxt)
+            if s is None or s.held is not None:
+                continue
+            if s.fetched is None:
+                s.fetched = self._prefetch.submit(self._fetch, s)
+                self.stats["prefetched"] += 1
+            return
 
     # --------------------------------------------------------------- context
     def __enter__(self) -> "AutoMem":
