@@ -375,8 +375,9 @@ def test_install_keeps_torchs_threads_where_its_workers_wait_briefly(monkeypatch
 
 
 def test_train_asks_for_the_short_spin_before_torch_loads():
-    """`autohc train|sample|eval` set GOMP_SPINCOUNT before torch is imported (libgomp reads it
-    then), unless the user chose a wait policy or --no-autohc."""
+    """`autohc train|sample|eval` and `bench step|parallel|memory` set GOMP_SPINCOUNT before
+    torch is imported (libgomp reads it then), unless the user chose a wait policy or
+    --no-autohc."""
     code = ("import os, sys; from autohc.cli import main; "
             "from autohc.runtime import omp; import autohc.cli as c; "
             "c.build_parser = lambda: sys.exit(0 if os.environ.get('GOMP_SPINCOUNT') == "
@@ -385,5 +386,7 @@ def test_train_asks_for_the_short_spin_before_torch_loads():
     run = lambda *a, **kw: subprocess.run([sys.executable, "-c", code, *a], env={**env, **kw},  # noqa: E731
                                           capture_output=True, text=True, timeout=120).returncode
     assert run("train", "--data", "digits") == 0
+    assert run("bench", "step") == 0 and run("bench", "memory") == 0    # they time training
+    assert run("bench", "gemm") == 3                    # its own wait policy (bench.PASSIVE_ENV)
     assert run("train", "--no-autohc") == 3
     assert run("eval", OMP_WAIT_POLICY="ACTIVE") == 3

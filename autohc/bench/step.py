@@ -16,6 +16,7 @@ machine's noise falls on all alike, unless the model is too big for three copies
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import psutil
@@ -215,6 +216,7 @@ def _bench(model, batch, image_size, steps, warmup, modes, say, install_kw, prof
         for name, ls in losses.items():
             diff = max([diff] + [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ls, ref)])
     out = {"model": model, "batch": batch, "image_size": image_size, "threads": torch.get_num_threads(),
+           "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),   # torch's OpenMP wait (cli)
            "timed_steps": steps - warmup, "interleaved": interleave,
            "stock_s": med.get("stock"), "compiled_s": med.get("compiled"), "autohc_s": med.get("autohc"),
            "autohc_compile_s": med.get("autohc+compile"), "step_s": med,
