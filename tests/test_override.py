@@ -375,8 +375,8 @@ def test_install_keeps_torchs_threads_where_its_workers_wait_briefly(monkeypatch
 
 
 def test_train_asks_for_the_short_spin_before_torch_loads():
-    """`autohc train|sample|eval` and `bench step|parallel|memory` set GOMP_SPINCOUNT before
-    torch is imported (libgomp reads it then), unless the user chose a wait policy or
+    """`autohc train|sample|eval`, `bench parallel|memory` and `bench step --short-spin` set
+    GOMP_SPINCOUNT before torch is imported (libgomp reads it then), unless the user chose a wait policy or
     --no-autohc."""
     code = ("import os, sys; from autohc.cli import main; "
             "from autohc.runtime import omp; import autohc.cli as c; "
@@ -386,7 +386,9 @@ def test_train_asks_for_the_short_spin_before_torch_loads():
     run = lambda *a, **kw: subprocess.run([sys.executable, "-c", code, *a], env={**env, **kw},  # noqa: E731
                                           capture_output=True, text=True, timeout=120).returncode
     assert run("train", "--data", "digits") == 0
-    assert run("bench", "step") == 0 and run("bench", "memory") == 0    # they time training
+    assert run("bench", "memory") == 0 and run("bench", "parallel") == 0  # autohc training only
+    assert run("bench", "step") == 3                    # stock torch as a user's script runs it
+    assert run("bench", "step", "--short-spin") == 0
     assert run("bench", "gemm") == 3                    # its own wait policy (bench.PASSIVE_ENV)
     assert run("train", "--no-autohc") == 3
     assert run("eval", OMP_WAIT_POLICY="ACTIVE") == 3

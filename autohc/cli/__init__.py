@@ -244,11 +244,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"autohc: {e}", file=sys.stderr)
         return 1
-    # the commands that train, sample or time training: torch's OpenMP workers wait briefly, so
-    # install() keeps torch's threads for what autohc does not serve. `bench step` measured
-    # stock torch the same either way (DiT-S/2 b8, Xeon model 207: 1.830 vs 1.834 s per step)
+    # the commands that train or sample on autohc, and the benches that time only autohc's
+    # training: torch's OpenMP workers wait briefly, so install() keeps torch's threads for what
+    # autohc does not serve. `bench step` times stock torch too, with libgomp's default wait
+    # unless --short-spin
     if (words[:1] in (["train"], ["sample"], ["eval"]) and "--no-autohc" not in words) \
-            or words[:2] in (["bench", "step"], ["bench", "parallel"], ["bench", "memory"]):
+            or words[:2] in (["bench", "parallel"], ["bench", "memory"]) \
+            or (words[:2] == ["bench", "step"] and "--short-spin" in words):
         from ..runtime import omp
         omp.prefer_short_spin()         # before anything imports torch: autohc/runtime/omp.py
     if words[:1] == ["train"] and any(w == "--automem" or w.startswith("--automem=") for w in words):

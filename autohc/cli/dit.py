@@ -157,6 +157,11 @@ def add_parsers(sub, bsub) -> None:
     b.add_argument("--profile", action="store_true",
                    help="after the timed steps, one profiled step per mode: the share of its time "
                         "in GEMM, attention, element-wise, optimizer, copies and other")
+    b.add_argument("--short-spin", action="store_true",
+                   help="set GOMP_SPINCOUNT=10000 before torch loads, as `autohc train` does, so "
+                        "that install() keeps torch's threads for the ops autohc does not serve "
+                        "(default: libgomp's default wait, as a user's script runs stock torch; "
+                        "install() then gives torch one thread). It applies to stock too")
     b.add_argument("--json", action="store_true", help="one JSON object")
 
 
