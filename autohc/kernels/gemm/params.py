@@ -88,7 +88,8 @@ class GemmParams:
             raise ParamError(f"nc={self.nc} must be a multiple of nr={self.nr}")
         if self.threads > MAX_THREADS:
             raise ParamError(f"jc_ways*ic_ways*jr_ways = {self.threads} threads; at most {MAX_THREADS}")
-        if self.kc * self.nc > MAX_BUFFER_FLOATS or self.mc * self.kc > MAX_BUFFER_FLOATS:
+        b_cols = self.nc + self.nc // 2 + self.nr if self.a_outer else self.nc  # gemm.c.j2: B_COLS
+        if self.kc * b_cols > MAX_BUFFER_FLOATS or self.mc * self.kc > MAX_BUFFER_FLOATS:
             raise ParamError("packed panel larger than 256 MiB: lower kc, mc or nc")
         return self
 
