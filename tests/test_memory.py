@@ -170,3 +170,35 @@ def test_huge_pages_switch(tmp_path):
         assert main(["info"]) == 1
     finally:
         del os.environ["AUTOHC_HUGE_PAGES"]
+
+
+def test_automatic_cap_keeps_what_a_step_had_in_use_up_to_its_ceiling(monkeypatch):
+    """By default the cap follows the most bytes in use at once (a step whose results pass the
+    floor gets them all back the next step), never past the ceiling; a fixed cap does not grow."""
+    p = memory.BufferPool(memory.CapSetting(floor=4 << 20, ceiling=24 << 20))
+    monkeypatch.setattr(memory, "pool", p)
+    live = [memory.fresh_empty(1 << 19) for _ in range(10)]          # 10 x 2 MB in use
+    assert p.high_water == 20 << 20 and p.cap_bytes == 20 << 20
+    ptrs = {t.data_ptr() for t in live}
+    del live
+    assert p.free_bytes == 20 << 20                                  # all kept, not just the floor
+    again = [memory.fresh_empty(1 << 19) for _ in range(10)]
+    assert {t.data_ptr() for t in again} == ptrs and p.hits == 10    # the next "step": no new mapping
+    more = [memory.fresh_empty(1 << 19) for _ in range(6)]           # 32 MB in use: past the ceiling
+    assert p.cap_bytes == 24 << 20
+    del again, more
+    assert p.free_bytes == 24 << 20
+    old = p.set_cap(4 << 20)                                         # fixed (AutoMem does this)
+    assert p.free_bytes == 4 << 20 and p.cap_bytes == 4 << 20
+    p.set_cap(old)
+    assert p.cap_bytes == 24 << 20
+
+
+def test_pool_cap_setting_from_environment(monkeypatch):
+    monkeypatch.delenv("AUTOHC_POOL_MB", raising=False)
+    auto = memory._setting_from_env()
+    assert auto.floor == memory.AUTO_CAP_MIN_BYTES and auto.ceiling >= auto.floor
+    monkeypatch.setenv("AUTOHC_POOL_MB", "512")
+    assert memory._setting_from_env() == memory.CapSetting(512 << 20)
+    monkeypatch.setenv("AUTOHC_POOL_MB", "0")
+    assert memory.BufferPool(memory._setting_from_env()).cap_bytes == 0

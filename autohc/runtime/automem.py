@@ -65,7 +65,7 @@ class AutoMem:
         self._drained = threading.Condition()
         fixed_mmap_threshold(self.min_bytes)
         # The result pool (runtime/memory.py) keeps freed kernel results for reuse, up to
-        # AUTOHC_POOL_MB (2 GB): the offloaded activations' blocks would wait there, in RSS.
+        # AUTOHC_POOL_MB (2 GB and up): the offloaded activations' blocks would wait there, in RSS.
         # Measured, DiT-B/2 batch 16, file tier: peak 3.95 GB with that cap, 3.18 with 256 MB,
         # 2.96 with none, the step time the same within noise. Restored by close().
         self._pool_cap = memory.pool.set_cap(min(memory.pool.cap_bytes, settings.non_negative_int(
