@@ -231,7 +231,7 @@ def test_a_tensor_still_queued_at_backward_is_used_from_memory(tmp_path):
 def test_bench_memory_reports_the_keys(monkeypatch):
     from autohc.bench.memory import bench_memory
     monkeypatch.setenv("AUTOHC_AUTOMEM_MIN_KB", "64")
-    r = bench_memory("DiT-Ti/8", 4, "file", steps=3, warmup=1)
+    r = bench_memory("DiT-Ti/8", 4, "file", steps=3, warmup=1, rounds=1)
     for k in ("baseline_peak_gb", "automem_peak_gb", "baseline_step_s", "automem_step_s", "loss_rel_diff"):
         assert r[k] >= 0, k
     assert r["loss_rel_diff"] == 0.0                    # the file tier is exact
@@ -239,6 +239,30 @@ def test_bench_memory_reports_the_keys(monkeypatch):
     assert r["automem_stats"]["offloaded"] > 0
     with pytest.raises(ValueError, match="AutoMem tier"):
         bench_memory("DiT-Ti/8", 4, "tape")
+
+
+def test_bench_memory_alternates_the_order_and_takes_the_median_of_the_pairs(monkeypatch):
+    """Rounds run baseline and AutoMem in alternating order; the overhead is the median of
+    each pair's ratio (not the ratio of two runs made minutes apart)."""
+    from autohc.bench import memory
+    calls = []
+    # a machine that drifts: every process is slower than the one before
+    fake = {None: [1.0, 1.5, 2.0], "file": [1.25, 1.5, 2.6]}
+
+    def measure(job):
+        mode = job["tier"]
+        calls.append(mode)
+        step = fake[mode][sum(1 for c in calls if c == mode) - 1]
+        return {"step_s": step, "peak_gb": 4.0 if mode is None else 2.0, "losses": [1.0, 0.5],
+                "stats": {"offloaded": 1}, "times": [step]}
+    monkeypatch.setattr(memory, "_measure", measure)
+    r = memory.bench_memory("DiT-Ti/8", 2, "file", steps=2, warmup=1, rounds=3)
+    assert calls == [None, "file", "file", None, None, "file"]
+    assert r["step_overhead_rounds"] == [0.25, 0.0, 0.3] and r["step_overhead"] == 0.25
+    assert r["baseline_step_s"] == 1.5 and r["automem_step_s"] == 1.5
+    assert r["peak_reduction"] == 0.5 and r["loss_rel_diff"] == 0.0 and r["rounds"] == 3
+    with pytest.raises(ValueError, match="rounds 0"):
+        memory.bench_memory("DiT-Ti/8", 2, "file", steps=2, warmup=1, rounds=0)
 
 
 def test_bench_memory_reports_a_baseline_that_runs_out_of_memory(monkeypatch):
@@ -254,7 +278,7 @@ def test_bench_memory_reports_a_baseline_that_runs_out_of_memory(monkeypatch):
                             "job = json.loads(sys.argv[1])\n"
                             f"if job['tier'] is None: {death}\n"
                             "print(json.dumps(run_job(job)))")
-        r = memory.bench_memory("DiT-Ti/8", 2, "file", steps=2, warmup=1)
+        r = memory.bench_memory("DiT-Ti/8", 2, "file", steps=2, warmup=1, rounds=2)
         assert r["baseline_out_of_memory"] is True
         assert r["baseline_peak_gb"] is None and r["peak_reduction"] is None
         assert r["automem_peak_gb"] > 0 and len(r["automem_losses"]) == 2

@@ -357,6 +357,28 @@ def test_no_compiler_falls_back_to_aten_with_one_warning(tmp_path):
     assert r["error"] and "C compiler" in r["error"] and "\n" not in r["error"]
 
 
+def test_install_does_not_compute_on_a_core_the_plan_keeps_for_helpers(monkeypatch):
+    """AUTOHC_MEMORY_CORES / AUTOHC_COMM_CORES keep a core for a helper thread: the kernels'
+    default thread count leaves it alone, unless the plan shares it (too few cores)."""
+    from autohc.runtime import plan
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        for kept, want in ((plan.CpuPlan((0, 1, 2), memory=(3,)), 3),
+                           (plan.CpuPlan((0, 1), comm=(2,), memory=(3,)), 2),
+                           (plan.CpuPlan((0, 1, 2, 3), memory=(3,), shared=True), 4),
+                           (plan.CpuPlan((0, 1, 2, 3)), 4)):
+            monkeypatch.setattr(plan, "current", lambda kept=kept: kept)
+            autohc.install(torch_threads=None)
+            assert kernel_threads() == want, kept
+            autohc.install(threads=4, torch_threads=None)     # asked for: as asked
+            assert kernel_threads() == 4
+            autohc.uninstall()
+    finally:
+        autohc.uninstall()
+        torch.set_num_threads(old)
+
+
 def test_install_keeps_torchs_threads_where_its_workers_wait_briefly(monkeypatch):
     old = torch.get_num_threads()
     try:

@@ -76,35 +76,62 @@ def _allocation_failed(stderr: str) -> bool:
 
 
 def bench_memory(model: str = "DiT-B/2", batch: int = 16, tier: str = "file", *, steps: int = 5,
-                 warmup: int = 2, threads: int | None = None, state: bool = False, progress=None) -> dict:
-    """state: the optimizer's moments go to the tier between steps too (--automem-state)."""
+                 warmup: int = 2, threads: int | None = None, state: bool = False, rounds: int = 2,
+                 progress=None) -> dict:
+    """state: the optimizer's moments go to the tier between steps too (--automem-state).
+    rounds: pairs of processes, baseline and AutoMem, in alternating order (B A, A B, ...), so
+    that a shared machine's drift falls on both; the step overhead is the median of the pairs'
+    ratios, and each figure the median over the rounds."""
     from ..runtime.tiers import make_tier
     make_tier(tier).close()                     # a bad tier name fails here, in one line
     if warmup >= steps:
         raise ValueError(f"warmup {warmup} must be below steps {steps}")
+    if rounds < 1:
+        raise ValueError(f"rounds {rounds} must be 1 or more")
     say = progress or (lambda m: None)
     job = {"model": model, "batch": batch, "steps": steps, "warmup": warmup, "threads": threads,
            "state": state}
-    say(f"{model} batch {batch}: baseline")
-    base = _measure({**job, "tier": None})
-    if base.get("out_of_memory"):
-        say(f"{model} batch {batch}: the baseline ran out of memory ({base['how']})")
-    say(f"{model} batch {batch}: AutoMem, tier {tier}" + (", optimizer state too" if state else ""))
-    am = _measure({**job, "tier": tier})
-    if am.get("out_of_memory"):
-        raise RuntimeError(f"{model} batch {batch} runs out of memory with AutoMem too ({am['how']})")
-    r = {"model": model, "batch": batch, "tier": tier, "steps": steps, "state": state,
+    base_runs, am_runs = [], []
+    base_oom = None
+    for k in range(rounds):
+        tag = f"{model} batch {batch}" + (f", round {k + 1}/{rounds}" if rounds > 1 else "")
+        for mode in (("baseline", "automem") if k % 2 == 0 else ("automem", "baseline")):
+            if mode == "baseline":
+                if base_oom:
+                    continue                    # it will not fit the next time either
+                say(f"{tag}: baseline")
+                base = _measure({**job, "tier": None})
+                if base.get("out_of_memory"):
+                    base_oom = base
+                    say(f"{tag}: the baseline ran out of memory ({base['how']})")
+                else:
+                    base_runs.append(base)
+            else:
+                say(f"{tag}: AutoMem, tier {tier}" + (", optimizer state too" if state else ""))
+                am = _measure({**job, "tier": tier})
+                if am.get("out_of_memory"):
+                    raise RuntimeError(f"{model} batch {batch} runs out of memory with AutoMem too ({am['how']})")
+                am_runs.append(am)
+    med = statistics.median
+    am = am_runs[0]
+    r = {"model": model, "batch": batch, "tier": tier, "steps": steps, "state": state, "rounds": rounds,
          "state_offloaded_gb": am.get("state_offloaded_gb"),
-         "baseline_out_of_memory": bool(base.get("out_of_memory")),
-         "baseline_peak_gb": None, "automem_peak_gb": round(am["peak_gb"], 3), "peak_reduction": None,
-         "baseline_step_s": None, "automem_step_s": am["step_s"], "step_overhead": None,
+         "baseline_out_of_memory": base_oom is not None,
+         "baseline_peak_gb": None, "automem_peak_gb": round(med(a["peak_gb"] for a in am_runs), 3),
+         "peak_reduction": None,
+         "baseline_step_s": None, "automem_step_s": med(a["step_s"] for a in am_runs),
+         "step_overhead": None, "step_overhead_rounds": None,
          "loss_rel_diff": None, "automem_stats": am["stats"],
          "baseline_losses": None, "automem_losses": am["losses"]}
-    if not r["baseline_out_of_memory"]:
-        r.update(baseline_peak_gb=round(base["peak_gb"], 3),
-                 peak_reduction=round(1 - am["peak_gb"] / base["peak_gb"], 4),
-                 baseline_step_s=base["step_s"], step_overhead=round(am["step_s"] / base["step_s"] - 1, 4),
-                 loss_rel_diff=max(abs(a - b) / max(abs(a), 1e-12)
-                                   for a, b in zip(base["losses"], am["losses"])),
-                 baseline_losses=base["losses"])
+    if base_oom is None:
+        ratios = [a["step_s"] / b["step_s"] - 1 for a, b in zip(am_runs, base_runs)]
+        base_peak = med(b["peak_gb"] for b in base_runs)
+        r.update(baseline_peak_gb=round(base_peak, 3),
+                 peak_reduction=round(1 - med(a["peak_gb"] for a in am_runs) / base_peak, 4),
+                 baseline_step_s=med(b["step_s"] for b in base_runs),
+                 step_overhead=round(med(ratios), 4), step_overhead_rounds=[round(x, 4) for x in ratios],
+                 loss_rel_diff=max(abs(x - y) / max(abs(x), 1e-12)
+                                   for a, b in zip(am_runs, base_runs)
+                                   for x, y in zip(b["losses"], a["losses"])),
+                 baseline_losses=base_runs[0]["losses"])
     return r

@@ -178,12 +178,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="peak memory and step time without and with AutoMem",
         description="Runs training steps of a DiT on synthetic 256px latents without and with AutoMem\n"
                     "(saved activations moved to a tier after the forward pass, prefetched back for\n"
-                    "backward), each in its own process: peak RSS, median step time, losses compared.",
-        epilog="example:\n  autohc bench memory --model DiT-B/2 --batch 16 --tier file --json")
+                    "backward), each in its own process: peak RSS, median step time, losses compared.\n"
+                    "The two processes run in alternating order for --rounds pairs (B A, A B, ...);\n"
+                    "the step overhead is the median of the pairs' ratios. On a machine too small to\n"
+                    "give AutoMem's helper threads a core of their own they share the compute cores;\n"
+                    "AUTOHC_MEMORY_CORES=1 keeps one for them (and computes on the rest, both runs).",
+        epilog="examples:\n  autohc bench memory --model DiT-B/2 --batch 16 --tier file --json\n"
+               "  AUTOHC_MEMORY_CORES=1 autohc bench memory --model DiT-B/2 --batch 16 --rounds 3")
     _step_args(me, "DiT-B/2", 16, 5)
     me.add_argument("--tier", default="file", help="file, file:DIR, numa[:NODE] or bf16 (default: file)")
     me.add_argument("--state", action="store_true",
                     help="the optimizer's moments to the tier between steps too (train --automem-state)")
+    me.add_argument("--rounds", type=positive_int, default=2,
+                    help="pairs of runs, baseline and AutoMem in alternating order (default: 2)")
     me.add_argument("--json", action="store_true", help="one JSON object")
     pa = bsub.add_parser(
         "parallel", formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -49,7 +49,8 @@ def cmd_bench_memory(args) -> int:
     from ..bench.memory import bench_memory
     _known_model(args.model)
     r = bench_memory(args.model, args.batch, args.tier, steps=args.steps, warmup=args.warmup,
-                     state=args.state, progress=lambda m: print(f"bench memory: {m}", file=sys.stderr, flush=True))
+                     state=args.state, rounds=args.rounds,
+                     progress=lambda m: print(f"bench memory: {m}", file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps(r, indent=1))
         return 0
@@ -61,7 +62,10 @@ def cmd_bench_memory(args) -> int:
     print(f"  peak RSS {r['baseline_peak_gb']:.2f} GB -> {r['automem_peak_gb']:.2f} GB "
           f"({100 * r['peak_reduction']:.0f} % less)")
     print(f"  step {r['baseline_step_s']:.3f} s -> {r['automem_step_s']:.3f} s "
-          f"({100 * r['step_overhead']:+.0f} %); max loss difference {r['loss_rel_diff']:.2e}")
+          f"({100 * r['step_overhead']:+.0f} %"
+          + (f", median of {', '.join(f'{100 * x:+.0f}' for x in r['step_overhead_rounds'])}"
+             if r["rounds"] > 1 else "")
+          + f"); max loss difference {r['loss_rel_diff']:.2e}")
     return 0
 
 

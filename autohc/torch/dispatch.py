@@ -33,6 +33,7 @@ import torch
 
 from ..kernels.gemm.matmul import bmm_into, gemm_into
 from ..runtime import omp
+from ..runtime import plan as cpu_plan
 from ..runtime.memory import fresh_empty
 from ..tune import first_use
 from . import fallback
@@ -205,12 +206,21 @@ def _positive(name: str, v) -> None:
         raise ValueError(f"autohc.install: {name} must be a positive int, got {v!r}")
 
 
+def _default_threads(torch_threads: int) -> int:
+    """torch's thread count, less the cores the CPU plan keeps for helper threads (where it
+    could keep them: on a machine too small they share the compute cores)."""
+    p = cpu_plan.current()
+    return min(torch_threads, len(p.compute)) if (p.comm or p.memory) and not p.shared else torch_threads
+
+
 def install(threads: int | None = None, torch_threads: int | str | None = "auto",
             first_use_tuning: bool = True) -> None:
     """Route torch's CPU float32 GEMMs and the fused operators to autohc kernels (tuned ones
     from the registry).
 
-    threads: threads of autohc's kernels (default: torch.get_num_threads() at the first install).
+    threads: threads of autohc's kernels (default: torch.get_num_threads() at the first install,
+        at most the CPU plan's compute cores: a core kept for AutoMem's or the all-reduce's
+        helper thread, AUTOHC_MEMORY_CORES / AUTOHC_COMM_CORES, is not computed on).
     torch_threads: torch's own intra-op threads while installed; None leaves them. "auto"
         (default): leave them where torch's OpenMP workers wait briefly after each op
         (GOMP_SPINCOUNT <= 100000 or OMP_WAIT_POLICY=PASSIVE set before torch was imported,
@@ -230,7 +240,7 @@ def install(threads: int | None = None, torch_threads: int | str | None = "auto"
     with _lock:
         if _state["lib"] is None:
             _state["torch_threads_before"] = torch.get_num_threads()
-        _state["threads"] = threads or _state["threads"] or _state["torch_threads_before"]
+        _state["threads"] = threads or _state["threads"] or _default_threads(_state["torch_threads_before"])
         set_kernel_threads(_state["threads"])
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
