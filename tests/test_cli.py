@@ -41,6 +41,7 @@ def test_info_json():
     assert info["isa"] in ("avx512", "avx2", "portable")
     assert info["cores"] >= 1 and len(info["fingerprint"]) == 16
     assert info["fma_peak_gflops_per_core"] > 0
+    assert "AUTOHC_POOL_MB" in info["result_pool"]
 
 
 def test_bench_gemm_json_small():

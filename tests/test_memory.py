@@ -202,3 +202,6 @@ def test_pool_cap_setting_from_environment(monkeypatch):
     assert memory._setting_from_env() == memory.CapSetting(512 << 20)
     monkeypatch.setenv("AUTOHC_POOL_MB", "0")
     assert memory.BufferPool(memory._setting_from_env()).cap_bytes == 0
+    assert memory.BufferPool(0).describe().startswith("off")
+    assert memory.BufferPool(512 << 20).describe().startswith("512 MB")
+    assert "2048-8192 MB" in memory.BufferPool(memory.CapSetting(2 << 30, 8 << 30)).describe()

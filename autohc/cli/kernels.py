@@ -11,7 +11,7 @@ def cmd_info(args) -> int:
     from ..build import cache_dir, cache_entries
     from ..hw import cpu
     from ..kernels import archs
-    from ..runtime import plan
+    from ..runtime import memory, plan
     from ..tune import registry
     info = cpu.detect()
     isa = cpu.best_isa(info)
@@ -26,6 +26,7 @@ def cmd_info(args) -> int:
         "numa_nodes": [list(n) for n in info.numa_nodes],
         "fma_peak_gflops_per_core": round(fma_peak_gflops(isa), 1),
         "cpu_plan": plan.current().describe(),
+        "result_pool": memory.pool.describe(),
         "cache_dir": str(cache_dir()), "cached_kernels": len(cache_entries()),
         "registry": str(registry.registry_path()),
         "registry_entries": len(registry.entries_for_this_cpu()),

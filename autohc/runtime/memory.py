@@ -140,6 +140,14 @@ class BufferPool:
     def cap_bytes(self, cap: int) -> None:
         self.set_cap(cap)
 
+    def describe(self) -> str:
+        """The cap in words (`autohc info`)."""
+        s = self._setting
+        if not s.ceiling:
+            return f"{s.floor >> 20} MB of free blocks (AUTOHC_POOL_MB)" if s.floor else "off (AUTOHC_POOL_MB=0)"
+        return (f"free blocks up to the most in use at once, {s.floor >> 20}-{s.ceiling >> 20} MB "
+                f"(AUTOHC_POOL_MB fixes it)")
+
     def _take(self, size: int) -> mmap.mmap | None:
         with self._lock:
             blocks = self._free.get(size)
