@@ -16,8 +16,8 @@ follows the most bytes the pool has had in use at once (at least 2 GB, at most a
 the machine's memory), so that a step whose results pass 2 GB (DiT-B/2 at batch 16: about
 3 GB) gets all of them back the next step; AUTOHC_POOL_MB fixes it (0 turns the pool off).
 Measured on DiT-B/2 batch 16 (`autohc train`'s step, 2 threads, Intel Xeon family 6 model
-207): 9.9-10.1 s per step with a 2 GB cap, 7.8-8.2 s with all blocks kept, where the kernel's
-page zeroing (clear_page) had been 15 % of the run; peak RSS 5.8 GB either way, since the
+207, four interleaved pairs): 8.5-10.1 s per step with a 2 GB cap, 7.7-8.3 s with all blocks
+kept, where the kernel's page zeroing (clear_page) had been 15 % of the run; peak RSS 5.8 GB either way, since the
 free blocks are the ones the next step's peak uses. The first write into a new block is the kernel's
 own, from the thread that owns that slice of the result, so on a machine with several NUMA
 nodes the pages land on that thread's node (the worker pool pins team threads to the CPU
@@ -86,9 +86,7 @@ AUTO_CAP_RAM_FRACTION = 4               # and its most: 1/4 of the machine's mem
 
 def _pool_mb_from_env() -> int | None:
     """AUTOHC_POOL_MB as a whole number of MB; None when unset (the automatic cap)."""
-    if not os.environ.get("AUTOHC_POOL_MB", "").strip():
-        return None
-    return settings.non_negative_int("AUTOHC_POOL_MB", 0, "a whole number of MB (0 turns the pool off)")
+    return settings.non_negative_int("AUTOHC_POOL_MB", None, "a whole number of MB (0 turns the pool off)")
 
 
 def _machine_bytes() -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 
 
-def non_negative_int(name: str, default: int, what: str) -> int:
+def non_negative_int(name: str, default: int | None, what: str) -> int | None:
     """$name as an int >= 0 (`what` says what it counts), else `default` when unset or empty."""
     raw = os.environ.get(name, "").strip()
     if not raw:
