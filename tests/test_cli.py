@@ -44,6 +44,14 @@ def test_info_json():
     assert "AUTOHC_POOL_MB" in info["result_pool"]
 
 
+def test_info_says_a_bad_setting_in_one_line():
+    r = subprocess.run([sys.executable, "-m", "autohc.cli", "info"], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "AUTOHC_POOL_MB": "lots"})
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [
+        "autohc: AUTOHC_POOL_MB='lots': expected a whole number of MB (0 turns the pool off) >= 0"]
+
+
 def test_bench_gemm_json_small():
     r = autohc("bench", "gemm", "--model", "dit-s", "--images", "1", "--repeats", "3", "--json")
     assert r.returncode == 0, r.stderr

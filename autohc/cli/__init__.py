@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         from ..kernels.family import ParamError
         from ..kernels.gemm.kernel import KernelError
         if isinstance(e, (BuildError, ParamError, KernelError, DataError)) or (
-                isinstance(e, ValueError) and args.command in ("train", "sample", "eval", "bench", "tune")):
+                isinstance(e, ValueError) and args.command in ("info", "train", "sample", "eval", "bench", "tune")):
             print(f"autohc: {e}", file=sys.stderr)
             return 1
         raise
