@@ -74,6 +74,28 @@ def test_cross_attention_other_lengths_and_scales(scale):
         torch.testing.assert_close(t.grad.double(), r.grad, **tol(16))
 
 
+@pytest.mark.parametrize("L,S,D", [(1, 7, 72), (50, 33, 13), (97, 200, 64)])
+def test_forward_tiles_with_remainders_everywhere(L, S, D):
+    """Odd micro-tiles (3 query vectors, 5 keys, 7 head-dim rows, 3 x 2 row-major) and key
+    blocks shorter than S (the online softmax rescales): every edge, forward and backward."""
+    base = default_attention()
+    p = AttentionParams(**{**base.to_dict(), "block_q": 3 * base.vl, "qv": 3, "fk": 5, "fd": 7,
+                           "mr": 3, "dc": 2, "block_k": 2 * base.vl})
+    q, k, v = qkv_views(2, S, 3, D, seed=L + S, L=L)
+    with A.forced_params(p):
+        for scale in (None, -0.2):
+            out, lse = A.forward_kernel(q, k, v, scale)
+            ref, ref_lse = reference(q, k, v, scale)
+            torch.testing.assert_close(out.double(), ref, **tol(D))
+            torch.testing.assert_close(lse.double(), ref_lse, **tol(D))
+            grad = torch.randn_like(out)
+            got = A.backward_kernel(grad, q, k, v, out, lse, scale)
+            qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+            reference(qd, kd, vd, scale)[0].backward(grad.double())
+            for g, want in zip(got, (qd.grad, kd.grad, vd.grad)):
+                torch.testing.assert_close(g.double(), want, **tol(D))
+
+
 def test_every_thread_count_gives_the_same_bits():
     q, k, v = qkv_views(3, 100, 5, 72, seed=4)
     try:
@@ -106,13 +128,17 @@ def test_bad_shapes_are_one_line_errors():
 
 def test_params_are_validated_and_every_knob_changes_the_c():
     with pytest.raises(ParamError, match="block_k"):
-        AttentionParams(isa="avx512", vl=16, block_k=40, kv=2).validate()
+        AttentionParams(isa="avx512", vl=16, block_k=0).validate()
     with pytest.raises(ParamError, match="registers"):
         AttentionParams(isa="avx2", vl=8, mr=8, dc=4).validate()
     with pytest.raises(ParamError, match="isa"):
         AttentionParams(isa="sse9").validate()
-    base = AttentionParams(isa="avx2", vl=8, block_q=64, block_k=256, mr=4, kv=2, dc=3)
-    other = dict(block_q=32, block_k=128, mr=3, kv=1, dc=2, threads=1)
+    with pytest.raises(ParamError, match="block_q"):           # not a multiple of qv * vl
+        AttentionParams(isa="avx2", vl=8, block_q=40, qv=2).validate()
+    with pytest.raises(ParamError, match="registers"):
+        AttentionParams(isa="avx2", vl=8, qv=2, fk=8).validate()
+    base = AttentionParams(isa="avx2", vl=8, block_q=64, block_k=256, mr=4, dc=3)
+    other = dict(block_q=32, block_k=128, mr=3, dc=2, qv=1, fk=4, fd=5, threads=1)
     src = render_attention(base)
     for knob, value in other.items():
         p = AttentionParams(**{**base.to_dict(), knob: value}).validate()

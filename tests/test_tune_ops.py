@@ -90,7 +90,7 @@ def test_tune_attention_records_and_sdpa_uses_it(reg):
     from autohc.kernels.attention import AttentionParams, default_attention
     from autohc.torch import attention
     g = op_tuner.grid(cpu.best_isa(), 1, space="attention")
-    assert {"block_q", "block_k", "mr", "kv", "dc"} <= set(g) and g["threads"] == [0]
+    assert {"block_q", "block_k", "mr", "dc", "qv", "fk", "fd"} <= set(g) and g["threads"] == [0]
     assert attention.params_for() == default_attention()
     r = op_tuner.tune_op("attention", 1, images=1, repeats=1, timeout=8)
     assert r["trials"] >= 1 and r["ms"] > 0 and r["torch_ms"] > 0

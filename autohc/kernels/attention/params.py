@@ -18,14 +18,18 @@ class AttentionParams:
     isa: str = "avx2"
     vl: int = 8                 # fp32 lanes per vector
     block_q: int = 64           # query rows per block (one thread's S block is block_q x block_k)
-    block_k: int = 256          # keys per block: a multiple of kv * vl
-    mr: int = 4                 # rows per micro-tile (scores and products)
-    kv: int = 2                 # key vectors per score micro-tile
-    dc: int = 3                 # head-dim vectors per product micro-tile
+    block_k: int = 256          # keys per block (the online softmax rescales once per block)
+    # the backward pass's sums over queries (dV, dK) keep the head dim in the lanes:
+    mr: int = 4                 # rows (keys) per row-major product micro-tile
+    dc: int = 3                 # head-dim vectors per row-major product micro-tile
+    # queries in the lanes (Sᵀ = K Qᵀ, Oᵀ = Vᵀ Pᵀ; dPᵀ, dQᵀ in the backward pass):
+    qv: int = 2                 # query vectors per micro-tile (block_q: a multiple of qv * vl)
+    fk: int = 6                 # keys per score micro-tile
+    fd: int = 6                 # head-dim rows per product micro-tile
     threads: int = 0            # most threads a call splits over: 0 = all it is given
 
     def validate(self) -> "AttentionParams":
-        for name in ("vl", "block_q", "block_k", "mr", "kv", "dc", "threads"):
+        for name in ("vl", "block_q", "block_k", "mr", "dc", "qv", "fk", "fd", "threads"):
             if type(getattr(self, name)) is not int:
                 raise ParamError(f"{name}={getattr(self, name)!r}: an int")
         if self.isa not in ISAS:
@@ -33,16 +37,21 @@ class AttentionParams:
         spec = ISAS[self.isa]
         if self.vl not in spec.vector_lanes:
             raise ParamError(f"vl={self.vl}: {self.isa} takes one of {spec.vector_lanes}")
-        if not 1 <= self.mr <= 16 or not 1 <= self.kv <= 8 or not 1 <= self.dc <= 15:
-            raise ParamError(f"mr={self.mr}, kv={self.kv}, dc={self.dc}: mr in [1, 16], kv in [1, 8], dc in [1, 15]")
+        if not 1 <= self.mr <= 16 or not 1 <= self.dc <= 15:
+            raise ParamError(f"mr={self.mr}, dc={self.dc}: mr in [1, 16], dc in [1, 15]")
         # accumulators + the loaded row must fit the vector registers, or the tile spills
-        for name, tile in (("mr*kv", self.mr * self.kv + self.kv), ("mr*dc", self.mr * self.dc + self.dc)):
+        if not 1 <= self.qv <= 8 or not 1 <= self.fk <= 15 or not 1 <= self.fd <= 15:
+            raise ParamError(f"qv={self.qv}, fk={self.fk}, fd={self.fd}: qv in [1, 8], fk and fd in [1, 15]")
+        for name, tile in (("mr*dc", self.mr * self.dc + self.dc),
+                           ("fk*qv", self.fk * self.qv + self.qv), ("fd*qv", self.fd * self.qv + self.qv)):
             if tile > spec.registers:
                 raise ParamError(f"{name} tile needs {tile} vector registers; {self.isa} has {spec.registers}")
         if not 1 <= self.block_q <= 1024:
             raise ParamError(f"block_q={self.block_q}: an int in [1, 1024]")
-        if not 1 <= self.block_k <= 8192 or self.block_k % (self.kv * self.vl):
-            raise ParamError(f"block_k={self.block_k}: a multiple of kv*vl = {self.kv * self.vl} in [1, 8192]")
+        if self.block_q % (self.qv * self.vl):
+            raise ParamError(f"block_q={self.block_q}: a multiple of qv*vl = {self.qv * self.vl}")
+        if not 1 <= self.block_k <= 8192:
+            raise ParamError(f"block_k={self.block_k}: an int in [1, 8192]")
         if not 0 <= self.threads <= 1024:
             raise ParamError(f"threads={self.threads}: an int in [0, 1024] (0: all)")
         return self
@@ -60,7 +69,7 @@ class AttentionParams:
     def symbol(self) -> str:
         """C prefix of the kernel's functions: unique per parameter set."""
         return (f"autohc_attn_{self.isa}_v{self.vl}_q{self.block_q}_k{self.block_k}_m{self.mr}"
-                f"_kv{self.kv}_d{self.dc}_t{self.threads}")
+                f"_d{self.dc}_qv{self.qv}_fk{self.fk}_fd{self.fd}_t{self.threads}")
 
 
 @functools.lru_cache(maxsize=None)
