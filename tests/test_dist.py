@@ -200,7 +200,12 @@ def test_bench_scale_measures_and_predicts():
     assert 0 < r["measured_efficiency_2"] <= 1.5 and 0 <= r["overlap"] <= 1
     assert set(r["predicted_efficiency"]) >= {2, 1024}
     assert r["buckets_bytes"] and sum(r["buckets_bytes"]) >= 4 * 1_000_000    # DiT-Ti/8: ~8M params
-    assert r["ring"]["beta"] > 0 and r["paper"]["predicted_efficiency"]
+    # the per-byte cost (beta + gamma/2 at p = 2) is positive: a 4 MB all-reduce takes longer
+    # than a 4 KB one. beta alone may fit to 0 on loopback, where the "link" is a memory copy
+    # no slower than the measured local reduction (seen once in CI on a noisy machine)
+    ring = r["ring"]
+    assert ring["beta"] >= 0 and ring["beta"] + ring["gamma"] / 2 > 0
+    assert r["paper"]["predicted_efficiency"]
 
 
 def test_netns_hosts_check_the_bandwidth_term():

@@ -42,7 +42,9 @@ class RingModel:
 
 
 def fit(sizes: list[int], seconds: list[float], gamma: float) -> RingModel:
-    """alpha and beta from p = 2 measurements (least squares of t = 2 alpha + n (beta + gamma/2))."""
+    """alpha and beta from p = 2 measurements (least squares of t = 2 alpha + n (beta + gamma/2)).
+    beta is 0 where the slope is within gamma/2: a link no slower than the local reduction (as
+    loopback, a memory copy, can be) cannot be told apart from it."""
     if len(sizes) < 2:
         raise ValueError("the fit needs at least two message sizes")
     mx, my = statistics.fmean(sizes), statistics.fmean(seconds)
