@@ -80,7 +80,7 @@ def test_forward_tiles_with_remainders_everywhere(L, S, D):
     blocks shorter than S (the online softmax rescales): every edge, forward and backward."""
     base = default_attention()
     p = AttentionParams(**{**base.to_dict(), "block_q": 3 * base.vl, "qv": 3, "fk": 5, "fd": 7,
-                           "mr": 3, "dc": 2, "block_k": 2 * base.vl})
+                           "mr": 3, "dc": 2, "block_k": 2 * base.vl, "prefetch": 1})
     q, k, v = qkv_views(2, S, 3, D, seed=L + S, L=L)
     with A.forced_params(p):
         for scale in (None, -0.2):
@@ -138,7 +138,7 @@ def test_params_are_validated_and_every_knob_changes_the_c():
     with pytest.raises(ParamError, match="registers"):
         AttentionParams(isa="avx2", vl=8, qv=2, fk=8).validate()
     base = AttentionParams(isa="avx2", vl=8, block_q=64, block_k=256, mr=4, dc=3)
-    other = dict(block_q=32, block_k=128, mr=3, dc=2, qv=1, fk=4, fd=5, threads=1)
+    other = dict(block_q=32, block_k=128, mr=3, dc=2, qv=1, fk=4, fd=5, prefetch=0, threads=1)
     src = render_attention(base)
     for knob, value in other.items():
         p = AttentionParams(**{**base.to_dict(), knob: value}).validate()

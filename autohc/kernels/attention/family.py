@@ -5,7 +5,7 @@ from .codegen import render_attention
 from .params import KERNEL, AttentionParams, default_attention
 from ..family import exported_declarations
 
-KNOBS = ("vl", "block_q", "block_k", "mr", "dc", "qv", "fk", "fd", "threads")
+KNOBS = ("vl", "block_q", "block_k", "mr", "dc", "qv", "fk", "fd", "prefetch", "threads")
 
 
 class AttentionFamily:

@@ -26,10 +26,11 @@ class AttentionParams:
     qv: int = 2                 # query vectors per micro-tile (block_q: a multiple of qv * vl)
     fk: int = 6                 # keys per score micro-tile
     fd: int = 6                 # head-dim rows per product micro-tile
+    prefetch: int = 1           # 1: the next task's rows are prefetched into L2 during this one
     threads: int = 0            # most threads a call splits over: 0 = all it is given
 
     def validate(self) -> "AttentionParams":
-        for name in ("vl", "block_q", "block_k", "mr", "dc", "qv", "fk", "fd", "threads"):
+        for name in ("vl", "block_q", "block_k", "mr", "dc", "qv", "fk", "fd", "prefetch", "threads"):
             if type(getattr(self, name)) is not int:
                 raise ParamError(f"{name}={getattr(self, name)!r}: an int")
         if self.isa not in ISAS:
@@ -52,6 +53,8 @@ class AttentionParams:
             raise ParamError(f"block_q={self.block_q}: a multiple of qv*vl = {self.qv * self.vl}")
         if not 1 <= self.block_k <= 8192:
             raise ParamError(f"block_k={self.block_k}: an int in [1, 8192]")
+        if self.prefetch not in (0, 1):
+            raise ParamError(f"prefetch={self.prefetch}: 0 or 1")
         if not 0 <= self.threads <= 1024:
             raise ParamError(f"threads={self.threads}: an int in [0, 1024] (0: all)")
         return self
@@ -69,7 +72,7 @@ class AttentionParams:
     def symbol(self) -> str:
         """C prefix of the kernel's functions: unique per parameter set."""
         return (f"autohc_attn_{self.isa}_v{self.vl}_q{self.block_q}_k{self.block_k}_m{self.mr}"
-                f"_d{self.dc}_qv{self.qv}_fk{self.fk}_fd{self.fd}_t{self.threads}")
+                f"_d{self.dc}_qv{self.qv}_fk{self.fk}_fd{self.fd}_p{self.prefetch}_t{self.threads}")
 
 
 @functools.lru_cache(maxsize=None)
