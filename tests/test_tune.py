@@ -143,6 +143,20 @@ RUN_TUNE = textwrap.dedent("""
 """)
 
 
+OPEN_STORAGE = "import sys; from autohc.tune import gemm as t; t.open_storage(sys.argv[1])"
+
+
+def test_processes_opening_a_new_storage_at_once_all_succeed(tmp_path):
+    # the schema of a new database is created by whichever process gets there first
+    for rep in range(2):
+        url = f"sqlite:///{tmp_path / f'race{rep}.db'}"
+        procs = [subprocess.Popen([sys.executable, "-c", OPEN_STORAGE, url],
+                                  stderr=subprocess.PIPE, text=True) for _ in range(4)]
+        errors = [p.communicate(timeout=120)[1] for p in procs]
+        assert all(p.returncode == 0 for p in procs), "\n".join(errors)
+        assert optuna.get_all_study_names(tuner.open_storage(url)) == []
+
+
 def test_resume_after_kill_9(fresh_cache):
     env = {**os.environ, "AUTOHC_CACHE_DIR": str(fresh_cache)}
     proc = subprocess.Popen([sys.executable, "-c", RUN_TUNE, "200"], env=env,

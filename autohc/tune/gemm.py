@@ -37,6 +37,10 @@ def default_storage_url() -> str:
     return f"sqlite:///{cache_dir() / 'tune.db'}"
 
 
+_OPEN_ATTEMPTS = 6
+_RACE_MARKS = ("UNIQUE constraint failed", "database is locked", "already exists")
+
+
 def open_storage(url: str | None = None):
     """Optuna RDBStorage for `url` (default: SQLite in the cache); StorageError if unusable."""
     import optuna
@@ -44,11 +48,18 @@ def open_storage(url: str | None = None):
         url = default_storage_url()
         cache_dir().mkdir(parents=True, exist_ok=True)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-    try:
-        # heartbeats let a resumed (or another node's) tune fail trials of a killed process
-        return optuna.storages.RDBStorage(url, heartbeat_interval=2, grace_period=6)
-    except Exception as e:  # noqa: BLE001 - sqlalchemy raises many kinds
-        raise StorageError(f"cannot open tuning storage {url!r}: {str(e).splitlines()[0]}") from None
+    for attempt in range(_OPEN_ATTEMPTS):
+        try:
+            # heartbeats let a resumed (or another node's) tune fail trials of a killed process
+            return optuna.storages.RDBStorage(url, heartbeat_interval=2, grace_period=6)
+        except Exception as e:  # noqa: BLE001 - sqlalchemy raises many kinds
+            first = str(e).splitlines()[0]
+            # processes opening a new database at once race to create its schema; the loser
+            # sees the winner's rows (UNIQUE constraint) or its lock and only has to retry
+            if attempt + 1 < _OPEN_ATTEMPTS and any(m in first for m in _RACE_MARKS):
+                time.sleep(0.05 * 2 ** attempt)
+                continue
+            raise StorageError(f"cannot open tuning storage {url!r}: {first}") from None
 
 
 def study_name(p: GemmProblem, threads: int, isa: str) -> str:
