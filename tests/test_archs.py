@@ -65,6 +65,21 @@ def test_every_entry_gives_valid_defaults_and_searchable_candidates():
             assert arch.gemm[isa].get("source"), f"{arch.name}/{isa} says nowhere where it comes from"
 
 
+@pytest.mark.parametrize("l1_kb,l2_kb", [(32, 256), (32, 1024), (48, 1024), (48, 2048), (64, 512), (80, 4096)])
+def test_blocks_derived_from_caches_lie_in_the_search_space(l1_kb, l2_kb):
+    """generic derives kc and mc from the caches; the tuner must be able to express them
+    (48 KB L1d + 1 MB L2, a Zen 5, once gave mc 336, which the space does not hold)."""
+    space = load_space("gemm")
+    caches = (Cache(1, "Data", l1_kb << 10, 1), Cache(2, "Unified", l2_kb << 20 >> 10, 1))
+    info = _cpu("Unknown", None, None, "some CPU", AVX512, caches=caches)
+    for isa in ("avx512", "avx2"):
+        d = archs.gemm_default(isa, archs.by_name("generic"), info)
+        entries = isa_entries(space, isa)
+        assert d["kc"] in entries["kc"]["values"] and d["mc"] in entries["mc"]["values"], d
+        assert d["mc"] % d["mr"] == 0 and d["kc"] * d["nr"] * 4 <= (l1_kb << 10)  # B micro-panel in L1
+        GemmParams(isa=isa, **d).validate()
+
+
 def test_entries_differ_where_the_published_configurations_do():
     zen3 = default_params("avx2", 1, "zen3")
     haswell = default_params("avx2", 1, "haswell")

@@ -108,10 +108,18 @@ def derived_blocks(default: dict, info: cpu.CpuInfo) -> dict:
     l1, l2 = info.cache_size(1), info.cache_size(2)
     nr, mr = default["nr"], default["mr"]
     if l1:
-        out["kc"] = max(128, min(512, (l1 // 2) // (4 * nr) // 32 * 32))
+        out["kc"] = _snap("kc", max(128, min(512, (l1 // 2) // (4 * nr))), 1)
     if l2:
-        out["mc"] = max(4 * mr, min(480, (l2 // 2) // (4 * out["kc"]) // mr * mr))
+        out["mc"] = _snap("mc", max(4 * mr, min(480, (l2 // 2) // (4 * out["kc"]))), mr)
     return out
+
+
+def _snap(name: str, value: int, multiple: int) -> int:
+    """The largest of the search space's values for `name` (a multiple of `multiple`) that is at
+    most `value`: a derived default the tuner can express, so its race starts from it."""
+    space = yaml.safe_load((data_dir("search_spaces", "gemm.yaml") / "gemm.yaml").read_text())
+    allowed = sorted(v for v in space["common"][name]["values"] if v % multiple == 0)
+    return max((v for v in allowed if v <= value), default=allowed[0])
 
 
 def gemm_default(isa: str, arch: Arch | None = None, info: cpu.CpuInfo | None = None) -> dict:
