@@ -137,6 +137,11 @@ STRESS = [
          a_outer=True, prefetch_c=False),
     dict(isa="portable", vl=4, mr=5, nr=8, kc=7, mc=10, nc=24, k_unroll=1, jc_ways=2, ic_ways=2, jr_ways=1,
          a_outer=True),
+    # own_rows: where threads * N <= M each thread packs its own rows and all of B
+    dict(isa="avx512", mr=12, nr=32, kc=12, mc=36, nc=64, k_unroll=4, jc_ways=1, ic_ways=2, jr_ways=1,
+         a_outer=True, own_rows=True, skinny_m=0),
+    dict(isa="portable", vl=4, mr=5, nr=8, kc=7, mc=15, nc=24, k_unroll=1, jc_ways=1, ic_ways=3, jr_ways=1,
+         a_outer=True, own_rows=True),
 ]
 
 
@@ -151,6 +156,76 @@ def test_fuzz_stress_geometries(cfg):
     cfg.setdefault("vl", {"avx2": 8, "avx512": 16}.get(isa, 4))
     params = GemmParams(**cfg).validate()
     run_fuzz(params, 120, seed=sum(map(ord, repr(sorted(cfg.items())))))
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
+def test_own_rows_gives_the_shared_blocks_results_bit_for_bit(isa):
+    """own_rows changes which thread computes which tile, never a tile's sum: on shapes where
+    it applies (threads * N <= M; several K panels and A blocks, ragged edges) and where it
+    does not, C is bit-identical to the shared A blocks' C, and both match float64."""
+    if isa not in RUNNABLE:
+        pytest.skip(f"this CPU cannot run {isa}")
+    base = default_params(isa, 2)
+    small = dict(kc=16, mc=6 * base.mr, nc=2 * base.nr, a_outer=True, jc_ways=1, ic_ways=2, jr_ways=1,
+                 skinny_m=0)
+    shared = GemmParams(**{**base.__dict__, **small, "own_rows": False}).validate()
+    own = GemmParams(**{**base.__dict__, **small, "own_rows": True}).validate()
+    torch.manual_seed(3)
+    for M, K, N in [(257, 45, 31), (100, 33, 50), (64, 16, 17), (31, 40, 257), (1, 5, 1)]:
+        for a, b in [(torch.randn(M, K), torch.randn(N, K).t()), (torch.randn(K, M).t(), torch.randn(K, N))]:
+            c_shared = autohc.matmul(a, b, params=shared)
+            c_own = autohc.matmul(a, b, params=own)
+            what = f"{isa} M={M} K={K} N={N}"
+            assert torch.equal(c_shared, c_own), what
+            check(c_own, a, b, torch.zeros(M, N), 1.0, 0.0, what)
+
+
+BIAS_GEOMETRIES = [
+    None,                                                       # this CPU's 2-thread default
+    dict(isa="avx2", mr=6, nr=16, kc=8, mc=12, nc=32, k_unroll=8, jc_ways=2, ic_ways=2, jr_ways=2, depth=3),
+    dict(isa="avx512", mr=12, nr=32, kc=12, mc=36, nc=64, k_unroll=4, jc_ways=1, ic_ways=2, jr_ways=1,
+         a_outer=True, own_rows=True),
+    dict(isa="portable", vl=4, mr=5, nr=8, kc=7, mc=10, nc=24, k_unroll=1, jc_ways=2, ic_ways=2, jr_ways=1,
+         a_outer=True),
+    dict(isa="portable", vl=4, mr=4, nr=8, kc=8, mc=8, nc=16, k_unroll=2, jc_ways=1, ic_ways=1, jr_ways=3,
+         skinny_m=8),
+]
+
+
+@pytest.mark.parametrize("cfg", BIAS_GEOMETRIES, ids=lambda c: "default" if c is None else
+                         f"{c['isa']}-{c['jc_ways']}x{c['ic_ways']}x{c['jr_ways']}"
+                         f"{'-a_outer' if c.get('a_outer') else ''}")
+def test_bias_rows_match_float64_and_never_read_c(cfg):
+    """_gemm_bias: C := alpha AB + beta bias down every row, over C full of NaN (never read),
+    on ragged shapes crossing K panels, A blocks and thread edges (full and edge micro-tiles),
+    the skinny paths (M <= 8), K = 0 and alpha = 0; and through gemm_into (the override's
+    path) with a strided and a broadcast bias, which it makes contiguous."""
+    from autohc.kernels.gemm.matmul import gemm_into
+    from autohc.kernels.gemm.kernel import get_kernel
+    if cfg is None:
+        params = default_params(cpu.best_isa(), 2)
+    else:
+        if cfg["isa"] not in RUNNABLE:
+            pytest.skip(f"this CPU cannot run {cfg['isa']}")
+        params = GemmParams(**{"vl": {"avx2": 8, "avx512": 16}.get(cfg["isa"], 4), **cfg}).validate()
+    kernel = get_kernel(params)
+    torch.manual_seed(5)
+    cases = [(97, 45, 61, 1.0, 1.0), (5, 30, 70, 1.0, 1.0), (257, 13, 33, -0.5, 2.0), (1, 9, 17, 1.0, 1.0),
+             (40, 0, 20, 1.0, 0.5), (33, 20, 40, 0.0, 1.5), (64, 16, 1, 1.0, 1.0)]
+    for M, K, N, alpha, beta in cases:
+        for transposed in (False, True):
+            a = torch.randn(K, M).t() if transposed else torch.randn(M, K)
+            b = torch.randn(N, K).t()
+            bias = torch.randn(N)
+            c = torch.full((M, N + 3), float("nan"))[:, :N]
+            kernel.run(M, N, K, alpha, a.data_ptr(), a.stride(0), a.stride(1), b.data_ptr(),
+                       b.stride(0), b.stride(1), beta, c.data_ptr(), c.stride(0), bias_ptr=bias.data_ptr())
+            check(c, a, b, bias.expand(M, N), alpha, beta, f"M={M} K={K} N={N} alpha={alpha} beta={beta}")
+    for bias in (torch.randn(2 * 61)[::2], torch.randn(1).expand(61)):
+        a, b = torch.randn(97, 45), torch.randn(61, 45).t()
+        c = torch.full((97, 61), float("nan"))
+        gemm_into(a, b, c, 1.0, 0.75, params.threads, bias)
+        check(c, a, b, bias.expand(97, 61), 1.0, 0.75, f"gemm_into, bias stride {bias.stride(0)}")
 
 
 def test_nan_and_inf_propagate():

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -84,6 +85,35 @@ def test_install_owns_the_threads_and_uninstall_gives_them_back(monkeypatch):
     assert len(seen) == 3
     with pytest.raises(ValueError):
         autohc.install(threads=0)
+
+
+def test_install_says_once_why_torch_gets_one_thread(monkeypatch):
+    """With libgomp's long spin, install() gives torch's own ops (and what torch.compile
+    compiles meanwhile) one thread: it says so once per process, with the fix, and not where
+    the user chose the threads or torch's workers wait briefly."""
+    from autohc.torch import dispatch
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setitem(dispatch._state, "told_one_thread", False)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setenv("GOMP_SPINCOUNT", "10000")            # waits briefly: keeps 2, no word
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            with autohc.installed():
+                assert torch.get_num_threads() == 2
+            with autohc.installed(torch_threads=1):             # asked for: no word either
+                assert torch.get_num_threads() == 1
+            monkeypatch.delenv("GOMP_SPINCOUNT")
+            for _ in range(2):
+                with autohc.installed():
+                    assert torch.get_num_threads() == 1
+        hints = [w for w in said if "GOMP_SPINCOUNT=10000" in str(w.message)]
+        assert len(hints) == 1 and "instead of 2" in str(hints[0].message)
+        assert issubclass(hints[0].category, RuntimeWarning)
+    finally:
+        autohc.uninstall()
+        torch.set_num_threads(old)
 
 
 @pytest.mark.parametrize("op", ["mm", "matmul", "addmm", "F.linear", "bmm", "baddbmm", "addmm_beta0"])
@@ -337,7 +367,8 @@ def test_no_compiler_falls_back_to_aten_with_one_warning(tmp_path):
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             mine = train(True)
-        msgs = [str(m.message) for m in w if "autohc" in str(m.message)]
+        msgs = [str(m.message) for m in w if "autohc" in str(m.message)
+                and "GOMP_SPINCOUNT" not in str(m.message)]     # install()'s thread hint
         try:
             autohc.matmul(torch.randn(4, 4), torch.randn(4, 4))
             err = None

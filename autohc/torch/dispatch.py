@@ -47,7 +47,7 @@ MIN_MACS = 32 * 32 * 32
 MIN_BMM_MACS = 128 * 128 * 128
 
 _lock = threading.Lock()
-_state = {"lib": None, "threads": None, "torch_threads_before": None}
+_state = {"lib": None, "threads": None, "torch_threads_before": None, "told_one_thread": False}
 stats = {"autohc": 0, "aten": 0}       # calls served by each, for tests and curiosity
 
 
@@ -134,18 +134,32 @@ def _start_in(out: torch.Tensor, inp: torch.Tensor, beta) -> torch.Tensor:
     return out
 
 
+def _row_bias(out: torch.Tensor, inp: torch.Tensor, beta):
+    """addmm's inp as one row broadcast down out's rows (a Linear's bias), else None."""
+    if beta == 0 or out.dim() != 2:
+        return None
+    e = inp.expand(out.shape)
+    return e[0] if out.shape[0] == 1 or e.stride(0) == 0 else None
+
+
 def _gemm(name: str, into, served: bool, out, x, y, inp=None, beta=0, alpha=1):
     """out := alpha * x @ y (+ beta * inp where inp is given) by autohc's `into` (gemm_into,
     bmm_into) where served, else by ATen's own `<name>.out` kernel into `out`: the one path
-    of the functional and the `.out` forms of mm, addmm, bmm and baddbmm."""
+    of the functional and the `.out` forms of mm, addmm, bmm and baddbmm. A Linear's bias
+    goes to the kernel, which writes it tile by tile (no copy of it into out first)."""
     aten = _aten_out(f"{name}.out")
     if inp is None:
         return fallback.kernel_or(lambda: _autohc(into(x, y, out, 1.0, 0.0, kernel_threads())),
                                   lambda: _aten(aten(x, y, out=out)), name, served=served)
-    return fallback.kernel_or(
-        lambda: _autohc(into(x, y, _start_in(out, inp, beta), float(alpha), float(beta),
-                             kernel_threads())),
-        lambda: _aten(aten(inp, x, y, beta=beta, alpha=alpha, out=out)), name, served=served)
+    bias = _row_bias(out, inp, beta) if into is gemm_into and served else None
+
+    def kernel():
+        if bias is not None:
+            return gemm_into(x, y, out, float(alpha), float(beta), kernel_threads(), bias)
+        return into(x, y, _start_in(out, inp, beta), float(alpha), float(beta), kernel_threads())
+    return fallback.kernel_or(lambda: _autohc(kernel()),
+                              lambda: _aten(aten(inp, x, y, beta=beta, alpha=alpha, out=out)),
+                              name, served=served)
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -213,6 +227,15 @@ def _default_threads(torch_threads: int) -> int:
     return min(torch_threads, len(p.compute)) if (p.comm or p.memory) and not p.shared else torch_threads
 
 
+def one_thread_hint(n: int) -> str:
+    """What install() says, once per process, when it gives torch's own ops one thread."""
+    return (f"autohc.install: torch's own ops run on 1 thread instead of {n} while installed, "
+            "because torch's OpenMP workers spin for milliseconds after each op (libgomp's "
+            "default) and would take the cores from autohc's kernels; torch.compile's code "
+            "compiled meanwhile keeps 1 thread. Set GOMP_SPINCOUNT=10000 before torch is "
+            "imported (autohc.runtime.omp.prefer_short_spin()) to keep all threads.")
+
+
 def install(threads: int | None = None, torch_threads: int | str | None = "auto",
             first_use_tuning: bool = True) -> None:
     """Route torch's CPU float32 GEMMs and the fused operators to autohc kernels (tuned ones
@@ -234,7 +257,8 @@ def install(threads: int | None = None, torch_threads: int | str | None = "auto"
     _positive("threads", threads)
     if not isinstance(first_use_tuning, bool):
         raise TypeError(f"autohc.install: first_use_tuning must be True or False, got {first_use_tuning!r}")
-    if torch_threads == "auto":
+    auto = torch_threads == "auto"
+    if auto:
         torch_threads = None if omp.torch_waits_briefly() else 1
     _positive("torch_threads", torch_threads)
     with _lock:
@@ -243,6 +267,9 @@ def install(threads: int | None = None, torch_threads: int | str | None = "auto"
         _state["threads"] = threads or _state["threads"] or _default_threads(_state["torch_threads_before"])
         set_kernel_threads(_state["threads"])
         if torch_threads is not None:
+            if auto and torch_threads == 1 < torch.get_num_threads() and not _state["told_one_thread"]:
+                _state["told_one_thread"] = True
+                warnings.warn(one_thread_hint(torch.get_num_threads()), RuntimeWarning, stacklevel=3)
             torch.set_num_threads(torch_threads)
         if _state["lib"] is None:
             _state["first_use_before"] = first_use.enabled()

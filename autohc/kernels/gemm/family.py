@@ -9,7 +9,8 @@ from .params import GemmParams
 # the fields of GemmParams the template renders (isa and vl pick the back-end and are fixed
 # by it, except on the portable one, where vl is searched too)
 KNOBS = ("vl", "mr", "nr", "kc", "mc", "nc", "k_unroll", "jc_ways", "ic_ways", "jr_ways", "depth",
-         "prefetch_a", "prefetch_b", "prefetch_c", "skinny_m", "a_outer")
+         "prefetch_a", "prefetch_b", "prefetch_c", "skinny_m", "a_outer",
+         "own_rows")
 
 
 def m_bucket(m: int) -> int:

@@ -28,6 +28,7 @@ class GemmKernel:
         fn = params.symbol
         lib = self.library.lib
         self._gemm = getattr(lib, f"{fn}_gemm")
+        self._gemm_bias = getattr(lib, f"{fn}_gemm_bias")
         self._gemm_batched = getattr(lib, f"{fn}_gemm_batched")
         self._ffi = self.library.ffi
         self.runnable = bool(getattr(lib, f"{fn}_isa_supported")())
@@ -35,13 +36,20 @@ class GemmKernel:
             pool.bind(self.library, fn)      # threads come from the one worker pool
 
     def run(self, M: int, N: int, K: int, alpha: float, a_ptr: int, rsa: int, csa: int,
-            b_ptr: int, rsb: int, csb: int, beta: float, c_ptr: int, ldc: int) -> None:
-        """Raw call on addresses and element strides (no checks beyond the ISA)."""
+            b_ptr: int, rsb: int, csb: int, beta: float, c_ptr: int, ldc: int,
+            bias_ptr: int | None = None) -> None:
+        """Raw call on addresses and element strides (no checks beyond the ISA). `bias_ptr`:
+        the address of N contiguous floats; C := alpha AB + beta * bias in every row, C not
+        read. None: C := alpha AB + beta C."""
         if not self.runnable:
             raise KernelError(f"this CPU cannot run the {self.params.isa} back-end")
         f = self._ffi
-        rc = self._gemm(M, N, K, alpha, f.cast("float *", a_ptr), rsa, csa,
-                        f.cast("float *", b_ptr), rsb, csb, beta, f.cast("float *", c_ptr), ldc)
+        a, b, c = f.cast("float *", a_ptr), f.cast("float *", b_ptr), f.cast("float *", c_ptr)
+        if bias_ptr is None:
+            rc = self._gemm(M, N, K, alpha, a, rsa, csa, b, rsb, csb, beta, c, ldc)
+        else:
+            rc = self._gemm_bias(M, N, K, alpha, a, rsa, csa, b, rsb, csb, beta,
+                                 f.cast("float *", bias_ptr), c, ldc)
         _check(rc)
 
     def run_batched(self, batch: int, sa: int, sb: int, sc: int, M: int, N: int, K: int,

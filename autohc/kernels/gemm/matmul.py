@@ -173,11 +173,13 @@ def matmul(a, b, *, out=None, alpha=1.0, beta=0.0, threads=None, params: GemmPar
     return _run(kind, a, b, out, A, B, C, alpha, beta, threads, params)
 
 
-def gemm_into(a, b, out, alpha: float, beta: float, threads: int):
+def gemm_into(a, b, out, alpha: float, beta: float, threads: int, bias=None):
     """out := alpha * a @ b + beta * out for float32 CPU tensors already checked by the caller
-    (the torch override); the registry's configuration or the default one."""
+    (the torch override); the registry's configuration or the default one. With `bias` (a
+    float32 tensor of out's row shape, any stride, not overlapping out): out := alpha * a @ b
+    + beta * bias in every row, out not read (addmm's Linear bias, added by the kernel)."""
     return _run("torch", a, b, out, operand_raw(a), operand_raw(b), operand_raw(out),
-                alpha, beta, threads, None)
+                alpha, beta, threads, None, bias)
 
 
 def bmm_into(a, b, out, alpha: float, beta: float, threads: int):
@@ -201,9 +203,17 @@ def operand_raw(t, kind: str = "torch") -> _Operand:
     return _Operand(t, t.ctypes.data, tuple(t.shape), tuple(s // 4 for s in t.strides))
 
 
-def _run(kind, a, b, out, A, B, C, alpha, beta, threads, params):
+def _run(kind, a, b, out, A, B, C, alpha, beta, threads, params, bias=None):
     M, K = A.shape
     N = B.shape[1]
+    if bias is not None:
+        if beta == 0.0:
+            bias = None                         # beta * bias adds nothing
+        elif C.strides[1] == 1 or N == 1:
+            bias = bias.contiguous()            # the kernel reads N contiguous floats
+        else:
+            out.copy_(bias.expand(M, N))        # the kernel adds a bias only along C's rows
+            bias = None
     # inputs that alias the output are read from a copy, so the result is still a @ b
     if A.overlaps(C):
         A = operand_raw(_copy(a, kind), kind)
@@ -215,7 +225,8 @@ def _run(kind, a, b, out, A, B, C, alpha, beta, threads, params):
     kernel = get_kernel(params)
     if C.strides[1] == 1 or N == 1:
         kernel.run(M, N, K, alpha, A.ptr, A.strides[0], A.strides[1], B.ptr, B.strides[0],
-                   B.strides[1], beta, C.ptr, C.strides[0] if M > 1 else max(N, 1))
+                   B.strides[1], beta, C.ptr, C.strides[0] if M > 1 else max(N, 1),
+                   None if bias is None else bias.data_ptr())
     elif C.strides[0] == 1 or M == 1:
         # column-major C: C^T (N x M, row-major) = B^T A^T, swapping the operands' strides
         kernel.run(N, M, K, alpha, B.ptr, B.strides[1], B.strides[0], A.ptr, A.strides[1],

@@ -24,7 +24,7 @@ RANGES: dict[str, tuple[int, int]] = {
 }
 CHOICES: dict[str, tuple] = {
     "isa": tuple(ISAS), "k_unroll": (1, 2, 4, 8), "depth": (1, 2, 3),
-    "prefetch_c": (False, True), "a_outer": (False, True),
+    "prefetch_c": (False, True), "a_outer": (False, True), "own_rows": (False, True),
 }
 # names of earlier releases, still read from registries written by them
 LEGACY_NAMES = {"clusters": "jc_ways", "tm": "ic_ways", "tn": "jr_ways"}
@@ -54,6 +54,9 @@ class GemmParams:
     # True: BLIS's loop order (templates/gemm: A_OUTER): a large A block (mc, L3) outside,
     # small B panels (nc, L2) inside, ir outside jr; False: the B panel outside (nc, L3)
     a_outer: bool = False
+    # a_outer only: the threads of a JC way take their own rows of A (each packing all of B)
+    # where B is small beside A (threads * N <= M), instead of sharing the way's A blocks
+    own_rows: bool = False
 
     @property
     def threads(self) -> int:
@@ -124,7 +127,8 @@ def thread_geometry(threads: int, clusters: int = 1) -> tuple[int, int, int]:
     makes each pack all of A: measured on an Intel Xeon model 207, 2 threads, DiT-S/2
     GEMMs (M 2048, K 384-1536, N 384-1536): 1 x 2 x 1 at 1.00-1.27x 2 x 1 x 1, DiT-XL/2
     GEMMs within 4 % either way. (In the a_outer loop order a way's threads share its A
-    blocks and split its N slice instead, each packing its own B panels.)"""
+    blocks and split its N slice instead, each packing its own B panels; with own_rows they
+    take their own rows where threads * N <= M.)"""
     if clusters < 1 or threads % clusters:
         clusters = 1
     tpc = threads // clusters
