@@ -13,6 +13,7 @@ import torch
 import autohc
 from autohc.hw import cpu
 from autohc.kernels.gemm.params import GemmParams, default_params
+from autohc.kernels.isa import ISAS
 
 from gemm_reference import check
 
@@ -149,13 +150,17 @@ STRESS = [
                          f"{c['jc_ways']}x{c['ic_ways']}x{c['jr_ways']}-"
                          f"{'a_outer' if c.get('a_outer') else 'd' + str(c.get('depth', 2))}")
 def test_fuzz_stress_geometries(cfg):
-    cfg = dict(cfg)
-    isa = cfg["isa"]
-    if isa not in RUNNABLE:
-        pytest.skip(f"this CPU cannot run {isa}")
-    cfg.setdefault("vl", {"avx2": 8, "avx512": 16}.get(isa, 4))
-    params = GemmParams(**cfg).validate()
+    params = geometry_params(cfg)
+    cfg = {"vl": params.vl, **cfg}
     run_fuzz(params, 120, seed=sum(map(ord, repr(sorted(cfg.items())))))
+
+
+def geometry_params(cfg: dict) -> GemmParams:
+    """GemmParams of a test geometry (vl: the back-end's first vector width where not given);
+    skips where this CPU cannot run its back-end."""
+    if cfg["isa"] not in RUNNABLE:
+        pytest.skip(f"this CPU cannot run {cfg['isa']}")
+    return GemmParams(**{"vl": ISAS[cfg["isa"]].vector_lanes[0], **cfg}).validate()
 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
@@ -202,12 +207,7 @@ def test_bias_rows_match_float64_and_never_read_c(cfg):
     path) with a strided and a broadcast bias, which it makes contiguous."""
     from autohc.kernels.gemm.matmul import gemm_into
     from autohc.kernels.gemm.kernel import get_kernel
-    if cfg is None:
-        params = default_params(cpu.best_isa(), 2)
-    else:
-        if cfg["isa"] not in RUNNABLE:
-            pytest.skip(f"this CPU cannot run {cfg['isa']}")
-        params = GemmParams(**{"vl": {"avx2": 8, "avx512": 16}.get(cfg["isa"], 4), **cfg}).validate()
+    params = default_params(cpu.best_isa(), 2) if cfg is None else geometry_params(cfg)
     kernel = get_kernel(params)
     torch.manual_seed(5)
     cases = [(97, 45, 61, 1.0, 1.0), (5, 30, 70, 1.0, 1.0), (257, 13, 33, -0.5, 2.0), (1, 9, 17, 1.0, 1.0),

@@ -114,11 +114,18 @@ def derived_blocks(default: dict, info: cpu.CpuInfo) -> dict:
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _space_values(name: str) -> tuple[int, ...]:
+    """The GEMM search space's values of `name` (tune.space reads the same file for the tuner;
+    kernels/ does not import tune/)."""
+    space = yaml.safe_load((data_dir("search_spaces", "gemm.yaml") / "gemm.yaml").read_text())
+    return tuple(sorted(space["common"][name]["values"]))
+
+
 def _snap(name: str, value: int, multiple: int) -> int:
     """The largest of the search space's values for `name` (a multiple of `multiple`) that is at
     most `value`: a derived default the tuner can express, so its race starts from it."""
-    space = yaml.safe_load((data_dir("search_spaces", "gemm.yaml") / "gemm.yaml").read_text())
-    allowed = sorted(v for v in space["common"][name]["values"] if v % multiple == 0)
+    allowed = [v for v in _space_values(name) if v % multiple == 0]
     return max((v for v in allowed if v <= value), default=allowed[0])
 
 
