@@ -361,3 +361,29 @@ def test_automem_caps_the_result_pool_while_it_runs(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="AUTOHC_AUTOMEM_POOL_MB"):
         AutoMem(FileTier(tmp_path))
     assert memory.pool.cap_bytes == before
+
+
+def test_automem_runs_a_prefaulter_on_the_pool_until_closed(tmp_path, monkeypatch):
+    """The helper that readies the next step's result blocks (memory.Prefaulter) listens to
+    the pool while AutoMem runs, sees each step start, and goes with close();
+    AUTOHC_AUTOMEM_PREFAULT=0 leaves it out; a bad value is one line, the pool untouched."""
+    from autohc.runtime import memory
+    before = memory.pool.cap_bytes
+    am = AutoMem(FileTier(tmp_path))
+    pf = am._prefaulter
+    assert pf is not None and memory.pool.listener == pf._asked
+    with am:
+        memory.fresh_empty(1 << 20)
+    with am:                                    # the second step: the first one is its plan
+        pass
+    assert pf.plan == [memory._size_class(4 << 20)]
+    am.close()
+    assert memory.pool.listener is None and not pf._thread.is_alive()
+    monkeypatch.setenv("AUTOHC_AUTOMEM_PREFAULT", "0")
+    am = AutoMem(FileTier(tmp_path))
+    assert am._prefaulter is None and memory.pool.listener is None
+    am.close()
+    monkeypatch.setenv("AUTOHC_AUTOMEM_PREFAULT", "yes")
+    with pytest.raises(ValueError, match="AUTOHC_AUTOMEM_PREFAULT"):
+        AutoMem(FileTier(tmp_path))
+    assert memory.pool.cap_bytes == before and memory.pool.listener is None

@@ -205,3 +205,96 @@ def test_pool_cap_setting_from_environment(monkeypatch):
     assert memory.BufferPool(0).describe().startswith("off")
     assert memory.BufferPool(512 << 20).describe().startswith("512 MB")
     assert "2048-8192 MB" in memory.BufferPool(memory.CapSetting(2 << 30, 8 << 30)).describe()
+
+
+def _resident(t: torch.Tensor) -> bool:
+    """Every page of t's memory is resident (mincore), i.e. already faulted in."""
+    import ctypes
+    import mmap as _mmap
+    page = _mmap.PAGESIZE
+    lo = t.data_ptr() // page * page
+    n = -(-(t.data_ptr() + t.nbytes - lo) // page)
+    vec = (ctypes.c_ubyte * n)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(lo, n * page, vec) == 0
+    return all(v & 1 for v in vec)
+
+
+def _one_step(p, pf, sizes_mb, refill=True):
+    """A step's requests in order (each result freed before the next, as a chain of ops
+    does), the prefaulter refilled before each as its thread would; per request: whether it
+    was a hit and whether its pages were resident before the kernel's first write."""
+    pf.step()
+    out = []
+    for mb in sizes_mb:
+        if refill:
+            pf.refill()
+            assert p.free_bytes <= p.cap_bytes
+        hits = p.hits
+        t = memory.fresh_empty(mb << 18)                     # mb MiB of float32
+        out.append((p.hits > hits, _resident(t)))
+        del t
+    return out
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux")
+def test_prefaulter_readies_the_next_steps_blocks_within_the_cap(pool, monkeypatch):
+    monkeypatch.setattr(pool, "cap_bytes", 24 << 20)
+    pf = memory.Prefaulter(pool, thread=False)
+    try:
+        sizes = [4, 6, 4, 10, 6, 8, 4]                       # MiB, 4 size classes
+        first = _one_step(pool, pf, sizes)                   # nothing recorded yet: misses
+        assert pf.stats["stocked"] == 0 and not first[0][0]
+        pool.clear()                                         # a cold pool: only stocking can hit
+        second = _one_step(pool, pf, sizes)
+        assert pf.plan == [memory._size_class(mb << 20) for mb in sizes]
+        assert all(hit and resident for hit, resident in second), second
+        assert pf.stats["stocked"] >= 4
+        # a free block of a size the next requests do not ask for makes room for one they do
+        pool.clear()
+        keep = memory.fresh_empty(12 << 18)                  # 12 MiB: no request is 12 MiB
+        del keep
+        evicted = pf.stats["evicted"]
+        pf.step()
+        pf.refill()
+        assert memory._size_class(12 << 20) not in pool.free_counts() and pf.stats["evicted"] == evicted + 1
+        pf._trace.clear()                                    # the step starts over
+        third = _one_step(pool, pf, sizes)
+        assert all(hit for hit, _ in third)
+        # without a refill the same cold step misses: the hits above were the prefaulter's
+        pool.clear()
+        cold = _one_step(pool, pf, sizes, refill=False)
+        assert not cold[0][0] and sum(hit for hit, _ in cold) < len(sizes)
+    finally:
+        pf.close()
+    assert pool.listener is None
+
+
+def test_prefaulter_thread_stocks_ahead_and_detaches(pool, monkeypatch):
+    import time
+    monkeypatch.setattr(pool, "cap_bytes", 16 << 20)
+    pf = memory.Prefaulter(pool, core=None)
+    try:
+        with pytest.raises(RuntimeError, match="already has a prefaulter"):
+            memory.Prefaulter(pool, thread=False)
+        for _ in range(2):
+            pf.step()
+            for mb in (4, 8, 4):
+                del_me = memory.fresh_empty(mb << 18)
+                del del_me
+        pool.clear()
+        pf.step()                               # the thread stocks the step's first blocks
+        deadline = time.monotonic() + 10
+        while pool.free_counts().get(memory._size_class(4 << 20), 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        hits = pool.hits
+        first = memory.fresh_empty(4 << 18)
+        assert pool.hits == hits + 1 and _resident(first)
+    finally:
+        pf.close()
+    assert pool.listener is None and not pf._thread.is_alive()
+    misses = pool.misses
+    pool.clear()
+    memory.fresh_empty(4 << 18)
+    assert pool.misses == misses + 1                        # no thread stocks any more

@@ -20,7 +20,9 @@ and come back, prefetched one ahead on a helper thread, before backward needs th
 - Optimizer state (StateOffload, `--automem-state`): AdamW's moments in the tier between
   steps, back on a helper thread while backward runs.
 - Kernel results: while AutoMem runs, the result pool (runtime/memory.py) keeps at most
-  AUTOHC_AUTOMEM_POOL_MB (256) of freed blocks, so offloaded activations leave RSS.
+  AUTOHC_AUTOMEM_POOL_MB (256) of freed blocks, so offloaded activations leave RSS; a helper
+  (memory.Prefaulter, on the memory core) fills that room with the blocks the step will ask
+  for next, faulted in, so the compute threads do not zero fresh pages.
 - Helper threads: one thread each for offload and prefetch, pinned to the CPU plan's memory
   cores (AUTOHC_MEMORY_CORES; shared with compute on a machine too small), never the compute
   threads. Tiers are pluggable (runtime/tiers.py): a file (mmap'able, on local SSD), a bf16
@@ -29,6 +31,7 @@ and come back, prefetched one ahead on a helper thread, before backward needs th
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -63,6 +66,7 @@ class AutoMem:
             "AUTOHC_AUTOMEM_PENDING_MB", 1024, "MiB waiting to be offloaded") << 20
         self._pending = 0
         self._drained = threading.Condition()
+        prefault = settings.non_negative_int("AUTOHC_AUTOMEM_PREFAULT", 1, "0 (off) or 1 (on)")
         fixed_mmap_threshold(self.min_bytes)
         # The result pool (runtime/memory.py) keeps freed kernel results for reuse, up to
         # AUTOHC_POOL_MB (2 GB and up): the offloaded activations' blocks would wait there, in RSS.
@@ -74,6 +78,12 @@ class AutoMem:
         if model is not None:
             self.protect(model)
         core = _memory_core()
+        # with the pool capped that low, its misses are fresh pages that the compute threads
+        # would zero in their first write: a helper readies the next step's blocks instead
+        # (runtime/memory.py: Prefaulter)
+        self._prefaulter = None
+        if prefault and memory.pool.cap_bytes and memory.pool.listener is None:
+            self._prefaulter = memory.Prefaulter(memory.pool, core)
         self._offload = ThreadPoolExecutor(1, thread_name_prefix="autohc-automem-out",
                                            initializer=cpu_plan.pin_this_thread, initargs=(core,))
         self._prefetch = ThreadPoolExecutor(1, thread_name_prefix="autohc-automem-in",
@@ -84,8 +94,10 @@ class AutoMem:
         self._lock = threading.Lock()
         self._hooks = None
         # unqueued: used from memory at unpack, its write cancelled or its copy dropped
+        # *_wait_s: the compute thread's time waiting, for room in the offload queue (pack) and
+        # for a read not yet done (unpack)
         self.stats = {"offloaded": 0, "offloaded_bytes": 0, "kept": 0, "prefetched": 0, "waited": 0,
-                      "unqueued": 0}
+                      "unqueued": 0, "pack_wait_s": 0.0, "unpack_wait_s": 0.0}
 
     def protect(self, model: torch.nn.Module) -> None:
         """Parameters of `model` are never offloaded (nor any view of their storage)."""
@@ -104,8 +116,11 @@ class AutoMem:
             s = _Saved(len(self._saved), t.shape, t.dtype, t, nbytes)
             self._saved[s.index] = s
         with self._drained:
-            while self.max_pending and self._pending and self._pending + nbytes > self.max_pending:
-                self._drained.wait()
+            if self.max_pending and self._pending and self._pending + nbytes > self.max_pending:
+                t0 = time.perf_counter()
+                while self.max_pending and self._pending and self._pending + nbytes > self.max_pending:
+                    self._drained.wait()
+                self.stats["pack_wait_s"] += time.perf_counter() - t0
             self._pending += nbytes
         s.stored = self._offload.submit(self._put, s)
         self.stats["offloaded"] += 1
@@ -151,7 +166,9 @@ class AutoMem:
             if s.fetched is None:
                 self.stats["waited"] += 1
                 s.fetched = self._prefetch.submit(self._fetch, s)
+            t0 = time.perf_counter()
             t = s.fetched.result()
+            self.stats["unpack_wait_s"] += time.perf_counter() - t0
         with self._lock:
             self._saved.pop(s.index, None)
         self._prefetch_after(s.index)
@@ -177,6 +194,8 @@ class AutoMem:
 
     # --------------------------------------------------------------- context
     def __enter__(self) -> "AutoMem":
+        if self._prefaulter is not None:
+            self._prefaulter.step()
         self._saved.clear()
         self._unpacked = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -186,6 +205,9 @@ class AutoMem:
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
         self._hooks = None
+        if self._prefaulter is not None:            # result blocks readied, and let go for room
+            self.stats["prefaulted"] = self._prefaulter.stats["stocked"]
+            self.stats["prefault_evicted"] = self._prefaulter.stats["evicted"]
         if self.order is None and self._unpacked:
             self.order = list(self._unpacked)         # the warm-up step's backward order
         for s in list(self._saved.values()):          # saved but never used: drop from the tier
@@ -200,6 +222,9 @@ class AutoMem:
         self._offload.shutdown(wait=True)
         self._prefetch.shutdown(wait=True)
         self.tier.close()
+        if self._prefaulter is not None:
+            self._prefaulter.close()
+            self._prefaulter = None
         if self._pool_cap is not None:
             memory.pool.set_cap(self._pool_cap)
             self._pool_cap = None
