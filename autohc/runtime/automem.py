@@ -116,11 +116,10 @@ class AutoMem:
             s = _Saved(len(self._saved), t.shape, t.dtype, t, nbytes)
             self._saved[s.index] = s
         with self._drained:
-            if self.max_pending and self._pending and self._pending + nbytes > self.max_pending:
-                t0 = time.perf_counter()
-                while self.max_pending and self._pending and self._pending + nbytes > self.max_pending:
-                    self._drained.wait()
-                self.stats["pack_wait_s"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            while self.max_pending and self._pending and self._pending + nbytes > self.max_pending:
+                self._drained.wait()
+            self.stats["pack_wait_s"] += time.perf_counter() - t0
             self._pending += nbytes
         s.stored = self._offload.submit(self._put, s)
         self.stats["offloaded"] += 1

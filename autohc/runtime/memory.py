@@ -218,10 +218,8 @@ class BufferPool:
     def _new_block(self, size: int) -> tuple[mmap.mmap, int]:
         """A new block for `size` bytes and where its data starts: large ones start on a huge
         page (+ HUGE of room for that) and are advised MADV_HUGEPAGE before their first write."""
-        pad = HUGE if size >= HUGE_MIN_BYTES else 0
-        block = self._map(size + pad)
-        start = _address(block)
-        start += (-start) % HUGE if pad else 0
+        block = self._map(size + (HUGE if size >= HUGE_MIN_BYTES else 0))
+        start = _address(block) + _data_offset(block, size)
         _advise_range(start, size)
         return block, start
 
@@ -234,8 +232,7 @@ class BufferPool:
         with self._lock:
             self._in_use += size
             self.high_water = max(self.high_water, self._in_use)
-        offset = (-_address(block)) % HUGE if size >= HUGE_MIN_BYTES else 0
-        arr = np.frombuffer(block, dtype=np.float32, count=n, offset=offset)
+        arr = np.frombuffer(block, dtype=np.float32, count=n, offset=_data_offset(block, size))
         weakref.finalize(arr, self._give, size, block).atexit = False   # nothing to return at exit
         if (listener := self.listener) is not None:
             listener(size)
@@ -271,6 +268,11 @@ class BufferPool:
 
 def _address(block: mmap.mmap) -> int:
     return np.frombuffer(block, dtype=np.uint8, count=1).ctypes.data
+
+
+def _data_offset(block: mmap.mmap, size: int) -> int:
+    """Where a block's data starts: on the first huge page for large sizes, else at 0."""
+    return (-_address(block)) % HUGE if size >= HUGE_MIN_BYTES else 0
 
 
 class Prefaulter:
