@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def cmd_info(args) -> int:
-    from ..bench.peak import fma_peak_gflops
+    from ..bench.peak import bf16_peak_summary, fma_peak_gflops
     from ..build import cache_dir, cache_entries
     from ..hw import cpu
     from ..kernels import archs
@@ -16,6 +16,7 @@ def cmd_info(args) -> int:
     info = cpu.detect()
     isa = cpu.best_isa(info)
     table = archs.describe(info)
+    bf16 = bf16_peak_summary()
     data = {
         "model": info.model, "arch": info.arch, "vendor": info.vendor,
         "family_model": f"{info.family}/{info.model_number}", "fingerprint": info.fingerprint, "isa": isa,
@@ -25,6 +26,9 @@ def cmd_info(args) -> int:
         "caches": [f"L{c.level} {c.kind} {c.size_bytes // 1024} KiB" for c in info.caches],
         "numa_nodes": [list(n) for n in info.numa_nodes],
         "fma_peak_gflops_per_core": round(fma_peak_gflops(isa), 1),
+        "bf16_dot_peak_gflops_per_core": _round(bf16["dot_gflops_per_core"]),
+        "bf16_tile_peak_gflops_per_core": _round(bf16["tile_gflops_per_core"]),
+        "bf16_backend": bf16["backend"], "bf16_backend_why": bf16["why"],
         "cpu_plan": plan.current().describe(),
         "result_pool": memory.pool.describe(),
         "cache_dir": str(cache_dir()), "cached_kernels": len(cache_entries()),
@@ -36,11 +40,32 @@ def cmd_info(args) -> int:
         print(json.dumps(data))
     else:
         for k, v in data.items():
-            if k == "first_use_tuned":      # one problem per line
+            if k.startswith("bf16_"):      # the four bf16 keys read as one line
+                if k == "bf16_backend":
+                    print(f"{'bf16_peak':>26}: {_bf16_line(data)}")
+            elif k == "first_use_tuned":      # one problem per line
                 print(f"{k:>26}: " + (f"\n{'':>28}".join(v) if v else "none"))
             else:
                 print(f"{k:>26}: {v}")
     return 0
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 1)
+
+
+def _bf16_line(d: dict) -> str:
+    """One core's bf16 peaks and the back-end bf16 GEMMs run on, in a line."""
+    dot, tile, backend = (d["bf16_dot_peak_gflops_per_core"], d["bf16_tile_peak_gflops_per_core"],
+                          d["bf16_backend"])
+    if tile is not None:
+        return (f"{tile} GFLOP/s per core (AMX tdpbf16ps tiles); vdpbf16ps dot products: "
+                f"{dot if dot is not None else 'none'} -> bf16 GEMMs run on {backend}")
+    if dot is not None:
+        amx = "refused by the OS" if "refused" in d["bf16_backend_why"] else "none on this CPU"
+        return (f"{dot} GFLOP/s per core (vdpbf16ps dot products); AMX tiles: {amx} "
+                f"-> bf16 GEMMs run on {backend}")
+    return f"none ({d['bf16_backend_why']})"
 
 
 def _first_use_entries(registry) -> list[str]:

@@ -3,7 +3,7 @@ rendered source itself (kernels/family.py)."""
 from __future__ import annotations
 
 from ..family import exported_declarations
-from ..isa import ISAS
+from ..isa import GEMM_ISAS
 from ..render import environment
 from .params import GemmParams
 
@@ -13,7 +13,8 @@ def render_gemm(params: GemmParams) -> str:
     p = params.validate()
     ctx = p.to_dict()
     ctx["fn"] = p.symbol
-    ctx["regs"] = ISAS[p.isa].registers      # sizes the skinny path's register tile
+    ctx["regs"] = GEMM_ISAS[p.isa].registers  # sizes the skinny path's register tile
+    ctx["dtype"] = p.dtype                    # (to_dict leaves out fp32)
     ctx["params_comment"] = ", ".join(f"{k}={v}" for k, v in sorted(p.to_dict().items()))
     return environment().get_template("gemm/gemm.c.j2").render(**ctx)
 

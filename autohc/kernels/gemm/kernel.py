@@ -9,7 +9,8 @@ from ...build import Library, build
 from ...hw import cpu
 from ...runtime import plan, pool
 from .codegen import gemm_cdef, render_gemm
-from .params import ISAS, GemmParams, default_params
+from ..isa import GEMM_ISAS
+from .params import GemmParams, default_params
 
 
 class KernelError(RuntimeError):
@@ -21,7 +22,7 @@ class GemmKernel:
 
     def __init__(self, params: GemmParams):
         self.params = params.validate()
-        spec = ISAS[params.isa]
+        spec = GEMM_ISAS[params.isa]
         source = render_gemm(params)
         self.library: Library = build(source, gemm_cdef(params, source), spec.cflags,
                                       meta={"op": "gemm", "params": params.to_dict()})
@@ -31,36 +32,42 @@ class GemmKernel:
         self._gemm_bias = getattr(lib, f"{fn}_gemm_bias")
         self._gemm_batched = getattr(lib, f"{fn}_gemm_batched")
         self._ffi = self.library.ffi
+        self._bf16 = params.dtype == "bf16"    # A, B: void * and their element types said
+        self._in_t = "void *" if self._bf16 else "float *"
         self.runnable = bool(getattr(lib, f"{fn}_isa_supported")())
         if self.runnable:
             pool.bind(self.library, fn)      # threads come from the one worker pool
 
     def run(self, M: int, N: int, K: int, alpha: float, a_ptr: int, rsa: int, csa: int,
             b_ptr: int, rsb: int, csb: int, beta: float, c_ptr: int, ldc: int,
-            bias_ptr: int | None = None) -> None:
+            bias_ptr: int | None = None, in_f32: int = 0) -> None:
         """Raw call on addresses and element strides (no checks beyond the ISA). `bias_ptr`:
         the address of N contiguous floats; C := alpha AB + beta * bias in every row, C not
-        read. None: C := alpha AB + beta C."""
+        read. None: C := alpha AB + beta C. bf16 kernels: A and B hold bf16 elements, or fp32
+        ones where `in_f32` has bit 0 (A) or bit 1 (B) set; C is fp32."""
         if not self.runnable:
             raise KernelError(f"this CPU cannot run the {self.params.isa} back-end")
         f = self._ffi
-        a, b, c = f.cast("float *", a_ptr), f.cast("float *", b_ptr), f.cast("float *", c_ptr)
+        a, b, c = f.cast(self._in_t, a_ptr), f.cast(self._in_t, b_ptr), f.cast("float *", c_ptr)
+        tail = (in_f32,) if self._bf16 else ()
         if bias_ptr is None:
-            rc = self._gemm(M, N, K, alpha, a, rsa, csa, b, rsb, csb, beta, c, ldc)
+            rc = self._gemm(M, N, K, alpha, a, rsa, csa, b, rsb, csb, beta, c, ldc, *tail)
         else:
             rc = self._gemm_bias(M, N, K, alpha, a, rsa, csa, b, rsb, csb, beta,
-                                 f.cast("float *", bias_ptr), c, ldc)
+                                 f.cast("float *", bias_ptr), c, ldc, *tail)
         _check(rc)
 
     def run_batched(self, batch: int, sa: int, sb: int, sc: int, M: int, N: int, K: int,
                     alpha: float, a_ptr: int, rsa: int, csa: int, b_ptr: int, rsb: int, csb: int,
-                    beta: float, c_ptr: int, ldc: int) -> None:
-        """`run` on `batch` matrices i at a_ptr + 4*i*sa (b, c likewise), in one C call."""
+                    beta: float, c_ptr: int, ldc: int, in_f32: int = 0) -> None:
+        """`run` on `batch` matrices i at a_ptr + i*sa elements (b, c likewise), in one C call."""
         if not self.runnable:
             raise KernelError(f"this CPU cannot run the {self.params.isa} back-end")
         f = self._ffi
-        _check(self._gemm_batched(batch, sa, sb, sc, M, N, K, alpha, f.cast("float *", a_ptr), rsa, csa,
-                                  f.cast("float *", b_ptr), rsb, csb, beta, f.cast("float *", c_ptr), ldc))
+        tail = (in_f32,) if self._bf16 else ()
+        _check(self._gemm_batched(batch, sa, sb, sc, M, N, K, alpha, f.cast(self._in_t, a_ptr), rsa, csa,
+                                  f.cast(self._in_t, b_ptr), rsb, csb, beta, f.cast("float *", c_ptr), ldc,
+                                  *tail))
 
 
 def _check(rc: int) -> None:

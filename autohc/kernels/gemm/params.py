@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from .. import archs
 from ..family import ParamError
-from ..isa import ISAS
+from ..isa import BF16_ISAS, GEMM_ISAS, ISAS
 
 # (low, high) inclusive for int fields; the allowed set for enum-like ones.
 RANGES: dict[str, tuple[int, int]] = {
@@ -23,7 +23,7 @@ RANGES: dict[str, tuple[int, int]] = {
     "prefetch_a": (0, 32), "prefetch_b": (0, 32), "skinny_m": (0, 64),
 }
 CHOICES: dict[str, tuple] = {
-    "isa": tuple(ISAS), "k_unroll": (1, 2, 4, 8), "depth": (1, 2, 3),
+    "isa": tuple(GEMM_ISAS), "dtype": ("fp32", "bf16"), "k_unroll": (1, 2, 4, 8), "depth": (1, 2, 3),
     "prefetch_c": (False, True), "a_outer": (False, True), "own_rows": (False, True),
 }
 # names of earlier releases, still read from registries written by them
@@ -57,6 +57,10 @@ class GemmParams:
     # a_outer only: the threads of a JC way take their own rows of A (each packing all of B)
     # where B is small beside A (threads * N <= M), instead of sharing the way's A blocks
     own_rows: bool = False
+    # "bf16": products of bf16 operands (bf16 inputs, or fp32 ones rounded to bf16 while
+    # packing) accumulated in fp32, on vdpbf16ps (isa avx512bf16), AMX tiles (isa amx) or,
+    # on any other back-end, the fp32 micro-kernel on operands widened back to fp32
+    dtype: str = "fp32"
 
     @property
     def threads(self) -> int:
@@ -75,16 +79,31 @@ class GemmParams:
                     lo, hi = RANGES[f.name]
                     if not lo <= v <= hi:
                         raise ParamError(f"{f.name}={v}: must be in [{lo}, {hi}]")
-        spec = ISAS[self.isa]
+        spec = GEMM_ISAS[self.isa]
+        if self.isa in BF16_ISAS and self.dtype != "bf16":
+            raise ParamError(f"isa={self.isa} computes in bf16: needs dtype='bf16'")
+        if self.dtype == "bf16" and self.skinny_m:
+            raise ParamError("skinny_m: the bf16 kernels have no skinny path; must be 0")
         if self.vl not in spec.vector_lanes:
             raise ParamError(f"vl={self.vl}: {self.isa} vectors hold {spec.vector_lanes} floats")
         if self.nr % self.vl:
             raise ParamError(f"nr={self.nr} must be a multiple of the vector length {self.vl}")
         nv = self.nr // self.vl
-        regs = self.mr * nv + nv + 1    # accumulators + B vectors + the A broadcast
-        if regs > spec.registers:
-            raise ParamError(f"mr x nr = {self.mr}x{self.nr} needs {regs} vector registers; "
-                             f"{self.isa} has {spec.registers}")
+        if self.isa == "amx":           # C tiles + A tiles + B tiles, 16 x 16 fp32 each
+            if self.mr % 16:
+                raise ParamError(f"mr={self.mr}: AMX tiles take 16 rows; must be a multiple of 16")
+            tiles = (self.mr // 16) * nv + self.mr // 16 + nv
+            if tiles > spec.registers:
+                raise ParamError(f"mr x nr = {self.mr}x{self.nr} needs {tiles} tiles; AMX has 8")
+            if self.kc % 32:
+                raise ParamError(f"kc={self.kc}: AMX takes K in blocks of 32; must be a multiple of 32")
+        else:
+            regs = self.mr * nv + nv + 1    # accumulators + B vectors + the A broadcast
+            if regs > spec.registers:
+                raise ParamError(f"mr x nr = {self.mr}x{self.nr} needs {regs} vector registers; "
+                                 f"{self.isa} has {spec.registers}")
+            if self.isa == "avx512bf16" and self.kc % 2:
+                raise ParamError(f"kc={self.kc}: vdpbf16ps takes K in pairs; must be even")
         if self.mc % self.mr:
             raise ParamError(f"mc={self.mc} must be a multiple of mr={self.mr}")
         if self.nc % self.nr:
@@ -97,7 +116,10 @@ class GemmParams:
         return self
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if d["dtype"] == "fp32":    # fp32 sets keep the keys (cached kernels) they had before bf16
+            del d["dtype"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "GemmParams":
@@ -136,14 +158,20 @@ def thread_geometry(threads: int, clusters: int = 1) -> tuple[int, int, int]:
     return clusters, ic, tpc // ic
 
 
-def default_params(isa: str, threads: int = 1, arch: str | None = None, clusters: int = 1) -> GemmParams:
+def default_params(isa: str, threads: int = 1, arch: str | None = None, clusters: int = 1,
+                   dtype: str = "fp32") -> GemmParams:
     """A configuration that works (and is fast) before any tuning: the per-microarchitecture
     table's entry for `isa` (configs/<arch>.yaml; `arch` names one, else this CPU's), on
-    `threads` threads in `clusters` NUMA clusters (thread_geometry)."""
-    if isa not in ISAS:
-        raise ParamError(f"unknown isa {isa!r}; one of {tuple(ISAS)}")
+    `threads` threads in `clusters` NUMA clusters (thread_geometry). dtype "bf16" on an fp32
+    back-end: its fp32 default, without the skinny path (bf16 widened while packing)."""
+    if isa not in GEMM_ISAS:
+        raise ParamError(f"unknown isa {isa!r}; one of {tuple(GEMM_ISAS)}")
+    if dtype not in CHOICES["dtype"]:
+        raise ParamError(f"dtype={dtype!r}: must be one of {CHOICES['dtype']}")
     if type(threads) is not int or not 1 <= threads <= MAX_THREADS:
         raise ParamError(f"threads={threads!r}: must be an int in [1, {MAX_THREADS}]")
     base = archs.gemm_default(isa, archs.by_name(arch) if arch else None)
     jc, ic, jr = thread_geometry(threads, clusters)
+    if dtype == "bf16":
+        base = {**base, "skinny_m": 0, "dtype": "bf16"}
     return GemmParams(isa=isa, jc_ways=jc, ic_ways=ic, jr_ways=jr, **base).validate()

@@ -1,0 +1,67 @@
+"""The bf16 peak probe (vdpbf16ps chains, AMX tiles) and its line in `autohc info`."""
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from autohc.bench import peak
+from autohc.build import build
+from autohc.kernels.family import exported_declarations
+
+
+def autohc(*args, timeout=300):      # as tests/test_cli.py runs the CLI
+    return subprocess.run([sys.executable, "-m", "autohc.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "COLUMNS": "120"})
+
+
+x86 = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
+                         reason="the bf16 probe is x86 code")
+
+
+@x86
+def test_probe_builds_including_the_amx_code():
+    """Compile-only where AMX is absent: the tile code is checked by the compiler everywhere."""
+    src = peak.bf16_probe_source()
+    lib = build(src, exported_declarations(src), peak.BF16_CFLAGS, meta={"op": "peak"}).lib
+    for name in ("dot_supported", "dot_gflops", "tile_present", "tile_supported", "tile_gflops"):
+        assert callable(getattr(lib, f"autohc_bf16_{name}"))
+    assert "_tile_dpbf16ps" in src and "_mm512_dpbf16_ps" in src
+
+
+@x86
+def test_peaks_match_what_this_cpu_has():
+    lib = peak._bf16_lib()
+    dot, tile = peak.bf16_peak_gflops("dot"), peak.bf16_peak_gflops("tile")
+    if lib.autohc_bf16_dot_supported():
+        # 2 bf16 products per fp32 lane: about twice the fp32 FMA peak (Zen 4: 235 vs 117)
+        fp32 = peak.fma_peak_gflops("avx512")
+        assert 0.5 * fp32 < dot < 4 * fp32, (dot, fp32)
+    else:
+        assert dot is None
+    if not lib.autohc_bf16_tile_supported():
+        assert tile is None
+    else:
+        assert tile > 0
+    s = peak.bf16_peak_summary()
+    assert s["backend"] == ("amx" if tile else "avx512bf16" if dot else "fp32 fallback")
+    assert s["dot_gflops_per_core"] == dot and s["why"]
+
+
+def test_unknown_kind_is_a_value_error():
+    with pytest.raises(ValueError, match="bogus"):
+        peak.bf16_peak_gflops("bogus")
+
+
+def test_info_json_has_the_bf16_peak():
+    r = autohc("info", "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    for key in ("bf16_dot_peak_gflops_per_core", "bf16_tile_peak_gflops_per_core", "bf16_backend",
+                "bf16_backend_why"):
+        assert key in info
+    assert info["bf16_backend"] in ("amx", "avx512bf16", "fp32 fallback")
+    r = autohc("info")
+    assert r.returncode == 0 and "bf16_peak: " in r.stdout and "bf16_backend" not in r.stdout
