@@ -63,6 +63,7 @@ class CpuInfo:
 
 _ISA_FLAGS = {"sse2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq",
               "avx512_bf16", "amx_tile", "asimd", "sve", "sve2", "neon"}
+BF16_ISA_ENV = "AUTOHC_BF16_ISA"    # names the bf16 GEMM back-end (one this CPU runs)
 
 
 def _read(path: Path) -> str | None:
@@ -170,3 +171,35 @@ def runnable_isas(info: CpuInfo | None = None) -> list[str]:
             out.append("avx2")
     out.append("portable")
     return out
+
+
+def runnable_bf16_isas(info: CpuInfo | None = None) -> list[str]:
+    """The bf16 GEMM back-ends (kernels/isa.py BF16_ISAS) this CPU executes, fastest first."""
+    info = info or detect()
+    out = []
+    if info.arch in ("x86_64", "AMD64") and info.has("avx512f", "avx512bw", "avx512vl", "avx512_bf16"):
+        if info.has("amx_tile", "amx_bf16"):
+            out.append("amx")
+        out.append("avx512bf16")
+    return out
+
+
+def bf16_isa(info: CpuInfo | None = None) -> tuple[str, str]:
+    """(back-end, why) of the bf16 GEMMs: AMX tiles, else AVX512_BF16 dot products, else the
+    fp32 back-end on operands widened to fp32 (correct everywhere, no faster than fp32).
+    AUTOHC_BF16_ISA names another one this CPU runs (e.g. avx512bf16 on an AMX CPU)."""
+    info = info or detect()
+    runnable = runnable_bf16_isas(info)
+    wanted = os.environ.get(BF16_ISA_ENV, "").strip()
+    if wanted:
+        if wanted not in runnable + runnable_isas(info):
+            raise ValueError(f"{BF16_ISA_ENV}={wanted!r}: this CPU runs "
+                             f"{', '.join(runnable + runnable_isas(info))}")
+        return wanted, f"set by {BF16_ISA_ENV}"
+    if "amx" in runnable:
+        return "amx", "AMX-BF16 tiles (tdpbf16ps)"
+    if "avx512bf16" in runnable:
+        return "avx512bf16", "AVX512_BF16 dot products (vdpbf16ps); no AMX on this CPU"
+    isa = best_isa(info)
+    return isa, (f"no AVX512_BF16 or AMX on this CPU: bf16 operands are widened to fp32 and run "
+                 f"on the {isa} fp32 kernels (correct, not faster than fp32)")

@@ -36,11 +36,11 @@ def registry_path() -> Path:
     return Path(os.environ.get("AUTOHC_REGISTRY", cache_dir() / "registry.json"))
 
 
-def entry_key(op: str, layout: str, K: int, N: int, M: int, threads: int) -> str:
+def entry_key(op: str, layout: str, K: int, N: int, M: int, threads: int, dtype: str = "fp32") -> str:
     """The key of a GEMM problem (the family's own, kernels/gemm/family.py)."""
     if op != GEMM.name:
         raise ValueError(f"no GEMM problem key for op {op!r}")
-    return GEMM.problem_key(layout, K, N, M, threads)
+    return GEMM.problem_key(layout, K, N, M, threads, dtype)
 
 
 @contextlib.contextmanager
@@ -106,7 +106,7 @@ def _valid(entry: dict, fingerprint: str) -> GemmParams | None:
     except (ParamError, KeyError, TypeError) as e:
         warnings.warn(f"autohc: invalid registry entry ignored ({e})", RuntimeWarning, stacklevel=4)
         return None
-    if params.isa not in cpu.runnable_isas():
+    if params.isa not in cpu.runnable_isas() + cpu.runnable_bf16_isas():
         warnings.warn(f"autohc: registry entry needs {params.isa}, which this CPU lacks; ignored",
                       RuntimeWarning, stacklevel=4)
         return None
@@ -114,11 +114,11 @@ def _valid(entry: dict, fingerprint: str) -> GemmParams | None:
 
 
 def lookup(op: str, layout: str, K: int, N: int, M: int, threads: int,
-           exact: bool = False) -> tuple[GemmParams, dict] | None:
+           exact: bool = False, dtype: str = "fp32") -> tuple[GemmParams, dict] | None:
     """Tuned params for this problem on this CPU: the exact M bucket, else the nearest one.
     Answers are memoised until the registry file changes (this runs on every GEMM call)."""
     entries = load().get(cpu.detect().fingerprint, {})
-    key = (op, layout, K, N, m_bucket(M), threads, exact)
+    key = (op, layout, K, N, m_bucket(M), threads, exact, dtype)
     lookups = _memo["lookups"]
     if key not in lookups:
         lookups[key] = _lookup(entries, *key)
@@ -126,11 +126,12 @@ def lookup(op: str, layout: str, K: int, N: int, M: int, threads: int,
 
 
 def _lookup(entries: dict, op: str, layout: str, K: int, N: int, want: int, threads: int,
-            exact: bool) -> tuple[GemmParams, dict] | None:
+            exact: bool, dtype: str) -> tuple[GemmParams, dict] | None:
     prefix = f"{op}/{layout}/K{K}/N{N}/M"
+    suffix = f"/t{threads}" + ("/bf16" if dtype == "bf16" else "")
     candidates = []
     for key, entry in entries.items():
-        if key.startswith(prefix) and key.endswith(f"/t{threads}"):
+        if key.startswith(prefix) and key.endswith(suffix):
             b = int(key[len(prefix):].split("/")[0])
             candidates.append((abs(math.log2(b) - math.log2(want)), b, key))
     if not candidates:
@@ -139,7 +140,7 @@ def _lookup(entries: dict, op: str, layout: str, K: int, N: int, want: int, thre
     if exact and b != want:
         return None
     params = _valid(entries[key], cpu.detect().fingerprint)
-    return (params, entries[key]) if params else None
+    return (params, entries[key]) if params and params.dtype == dtype else None
 
 
 def record(op: str, layout: str, K: int, N: int, M: int, threads: int, params: GemmParams,
@@ -147,8 +148,9 @@ def record(op: str, layout: str, K: int, N: int, M: int, threads: int, params: G
     """Store (or replace) the best configuration of a problem for this CPU."""
     params.validate()
     info = cpu.detect()
-    key = entry_key(op, layout, K, N, M, threads)
+    key = entry_key(op, layout, K, N, M, threads, params.dtype)
     entry = {"fingerprint": info.fingerprint, "cpu": info.model, "op": op, "layout": layout,
+             "dtype": params.dtype,
              "K": K, "N": N, "M": M, "threads": threads, "params": params.to_dict(),
              "gflops": round(gflops, 2), "torch_gflops": round(torch_gflops, 2),
              "speedup_vs_torch": round(gflops / torch_gflops, 3) if torch_gflops else None,

@@ -38,9 +38,11 @@ class GemmFamily:
     def knobs(self, kernel: str = "gemm") -> tuple[str, ...]:
         return KNOBS
 
-    def problem_key(self, layout: str, K: int, N: int, M: int, threads: int) -> str:
-        """The registry key: one entry per layout, K, N, power-of-two M bucket and threads."""
-        return f"gemm/{layout}/K{K}/N{N}/M{m_bucket(M)}/t{threads}"
+    def problem_key(self, layout: str, K: int, N: int, M: int, threads: int,
+                    dtype: str = "fp32") -> str:
+        """The registry key: one entry per layout, K, N, power-of-two M bucket, threads and
+        dtype (bf16 keys end in /bf16; fp32 keys are those of releases before bf16)."""
+        return f"gemm/{layout}/K{K}/N{N}/M{m_bucket(M)}/t{threads}" + ("/bf16" if dtype == "bf16" else "")
 
 
 GEMM = GemmFamily()

@@ -99,10 +99,13 @@ def get_kernel(params: GemmParams) -> GemmKernel:
 
 
 @functools.lru_cache(maxsize=None)
-def default_kernel_params(threads: int, isa: str | None = None) -> GemmParams:
+def default_kernel_params(threads: int, isa: str | None = None, dtype: str = "fp32") -> GemmParams:
     """The default on this CPU for `threads` team threads: one JC cluster per NUMA node that
-    the team spans (team thread t runs on the plan's compute core t, cores ordered by node)."""
-    return default_params(isa or cpu.best_isa(), threads, clusters=team_nodes(threads))
+    the team spans (team thread t runs on the plan's compute core t, cores ordered by node).
+    dtype bf16: on this CPU's bf16 back-end (cpu.bf16_isa) unless `isa` names one."""
+    if isa is None:
+        isa = cpu.bf16_isa()[0] if dtype == "bf16" else cpu.best_isa()
+    return default_params(isa, threads, clusters=team_nodes(threads), dtype=dtype)
 
 
 def team_nodes(threads: int) -> int:

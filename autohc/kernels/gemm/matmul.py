@@ -1,10 +1,14 @@
-"""`autohc.matmul`: fp32 GEMM on generated kernels, for torch tensors and numpy arrays.
+"""`autohc.matmul`: GEMM on generated kernels, for torch tensors and numpy arrays.
 
     C := alpha * A @ B + beta * C
 
 A and B may be any strided 2-D float32 views (transposes are read in place as layouts: NN,
 NT = X @ W.T, TN = dY.T @ X), C needs one unit stride (a column-major C is computed as
 C.T = B.T @ A.T). torch CPU tensors and numpy arrays are both taken.
+
+bf16: torch.bfloat16 tensors, or float32 ones with compute="bf16" (rounded to bf16 while
+packing), multiply in bf16 and accumulate in fp32 on this CPU's bf16 back-end (cpu.bf16_isa);
+C is float32, or bfloat16 (rounded once at the end) where `out` is.
 """
 from __future__ import annotations
 
@@ -34,26 +38,26 @@ def set_registry_miss_hook(hook) -> None:
     _registry_miss_hook = hook
 
 
-def tuned_params(m: int, k: int, n: int, sa, sb, threads: int) -> GemmParams:
+def tuned_params(m: int, k: int, n: int, sa, sb, threads: int, dtype: str = "fp32") -> GemmParams:
     """The registry's configuration for this problem on this CPU, else (first-use tuning's
     pick, when it is on, or) the default one; with CFTP on (runtime/cftp.py), its thread
     geometry splits N across the clusters."""
-    return cftp.geometry(_chosen_params(m, k, n, sa, sb, threads))
+    return cftp.geometry(_chosen_params(m, k, n, sa, sb, threads, dtype))
 
 
-def _chosen_params(m: int, k: int, n: int, sa, sb, threads: int) -> GemmParams:
+def _chosen_params(m: int, k: int, n: int, sa, sb, threads: int, dtype: str = "fp32") -> GemmParams:
     layout = registry.layout_of(sa[0], sa[1], sb[0], sb[1])
     if layout is not None:              # (no registry file: lookup answers None)
         M, K, N = registry.linear_dims(layout, m, k, n)
-        hit = registry.lookup("gemm", layout, K, N, M, threads)
+        hit = registry.lookup("gemm", layout, K, N, M, threads, dtype=dtype)
         if hit is not None and not _outdated_default(hit, threads):
             return hit[0]
         hook = _registry_miss_hook
-        if hook is not None:
+        if hook is not None and dtype == "fp32":    # (bf16 problems: tuned by autohc tune)
             chosen = hook(layout, M, K, N, threads)
             if chosen is not None:
                 return chosen
-    return default_kernel_params(threads)
+    return default_kernel_params(threads, dtype=dtype)
 
 
 def _outdated_default(hit, threads: int) -> bool:
@@ -64,20 +68,21 @@ def _outdated_default(hit, threads: int) -> bool:
     if entry.get("source") != "first-use":
         return False
     kept = entry.get("default_kept", entry.get("gflops") == entry.get("default_gflops"))
-    return bool(kept) and params != default_kernel_params(threads)
+    return bool(kept) and params != default_kernel_params(threads, dtype=params.dtype)
 
 
 # ----------------------------------------------------------------------------- operands
 
 class _Operand:
-    """A 2-D float32 operand seen as (address, shape, element strides)."""
-    __slots__ = ("obj", "ptr", "shape", "strides", "nbytes_span")
+    """A 2-D float32 (or bfloat16) operand seen as (address, shape, element strides)."""
+    __slots__ = ("obj", "ptr", "shape", "strides", "nbytes_span", "f32")
 
-    def __init__(self, obj, ptr, shape, strides):
+    def __init__(self, obj, ptr, shape, strides, itemsize: int = 4):
         self.obj, self.ptr, self.shape, self.strides = obj, ptr, shape, strides
+        self.f32 = itemsize == 4
         lo = sum(min(0, (n - 1) * s) for n, s in zip(shape, strides)) if all(shape) else 0
         hi = sum(max(0, (n - 1) * s) for n, s in zip(shape, strides)) if all(shape) else -1
-        self.nbytes_span = (ptr + 4 * lo, ptr + 4 * hi + 4)
+        self.nbytes_span = (ptr + itemsize * lo, ptr + itemsize * hi + itemsize)
 
     def overlaps(self, other: "_Operand") -> bool:
         (a0, a1), (b0, b1) = self.nbytes_span, other.nbytes_span
@@ -103,8 +108,8 @@ def _operand(x, name: str, kind: str) -> _Operand:
             raise TypeError(f"autohc.matmul: {name} is on {x.device}; only CPU tensors")
         if x.layout != torch.strided:
             raise TypeError(f"autohc.matmul: {name} has layout {x.layout}; only dense (strided)")
-        if x.dtype != torch.float32:
-            raise TypeError(f"autohc.matmul: {name} is {x.dtype}; only torch.float32")
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"autohc.matmul: {name} is {x.dtype}; only torch.float32 and torch.bfloat16")
         if x.requires_grad and torch.is_grad_enabled():
             raise TypeError(f"autohc.matmul: {name} requires grad and autohc.matmul does not "
                             "record autograd; call it under torch.no_grad() or use torch.matmul "
@@ -128,18 +133,33 @@ def _copy(x, kind: str):
     return x.clone() if kind == "torch" else x.copy()
 
 
-def matmul(a, b, *, out=None, alpha=1.0, beta=0.0, threads=None, params: GemmParams | None = None):
-    """C = alpha * a @ b + beta * out, for 2-D float32 CPU torch tensors or numpy arrays.
+def matmul(a, b, *, out=None, alpha=1.0, beta=0.0, threads=None, params: GemmParams | None = None,
+           compute: str | None = None):
+    """C = alpha * a @ b + beta * out, for 2-D CPU torch tensors or numpy arrays.
 
-    - a: (M, K), b: (K, N), any strides (a transposed view is a layout, not a copy).
-    - out: optional (M, N) float32 result, written in place and returned; needed if beta != 0.
+    - a: (M, K), b: (K, N), any strides (a transposed view is a layout, not a copy); float32,
+      or torch.bfloat16 (computed in bf16).
+    - out: optional (M, N) result, written in place and returned; needed if beta != 0.
+      float32, or bfloat16 for a bf16 product; default: bfloat16 where a and b both are
+      (as torch.matmul), else float32.
+    - compute: "fp32" or "bf16" (bf16 products, fp32 accumulation: float32 inputs are rounded
+      to bf16 while packing); default "bf16" where an input is bfloat16, else "fp32".
     - threads: GEMM threads (default: every CPU this process may use).
-    - params: run this kernel configuration instead of the default one for `threads`.
+    - params: run this kernel configuration (its dtype must be the compute's) instead of the
+      registry's or the default one for `threads`.
     Raises TypeError / ValueError for what it does not handle, before writing anything.
     """
     kind = _kind(a)
     A, B = _operand(a, "a", kind), _operand(b, "b", kind)
     alpha, beta = _scalar(alpha, "alpha"), _scalar(beta, "beta")
+    any_bf16 = not (A.f32 and B.f32)
+    if compute is None:
+        compute = "bf16" if any_bf16 else "fp32"
+    if compute not in ("fp32", "bf16"):
+        raise ValueError(f"autohc.matmul: compute must be 'fp32' or 'bf16', got {compute!r}")
+    if compute == "fp32" and any_bf16:
+        raise TypeError("autohc.matmul: bfloat16 inputs compute in bf16; pass compute='bf16' "
+                        "or convert them to float32")
     M, K = A.shape
     K2, N = B.shape
     if K != K2:
@@ -149,6 +169,8 @@ def matmul(a, b, *, out=None, alpha=1.0, beta=0.0, threads=None, params: GemmPar
         if not isinstance(params, GemmParams):
             raise TypeError(f"autohc.matmul: params must be a GemmParams, not {type(params).__name__}")
         params.validate()
+        if params.dtype != compute:
+            raise ValueError(f"autohc.matmul: params compute in {params.dtype}, not {compute}")
         if threads is not None and threads != params.threads:
             raise ValueError(f"autohc.matmul: threads={threads} but params run {params.threads}")
     else:
@@ -161,16 +183,28 @@ def matmul(a, b, *, out=None, alpha=1.0, beta=0.0, threads=None, params: GemmPar
     if out is None:
         if beta != 0.0:
             raise ValueError("autohc.matmul: beta != 0 needs out= (the C to accumulate into)")
-        out = torch.empty((M, N), dtype=torch.float32) if kind == "torch" else np.empty((M, N), np.float32)
+        if kind == "torch":
+            both_bf16 = not A.f32 and not B.f32
+            out = torch.empty((M, N), dtype=torch.bfloat16 if both_bf16 else torch.float32)
+        else:
+            out = np.empty((M, N), np.float32)
     C = _operand(out, "out", kind)
     if C.shape != (M, N):
         raise ValueError(f"autohc.matmul: out has shape {C.shape}, expected {(M, N)}")
+    if not C.f32 and compute != "bf16":
+        raise TypeError("autohc.matmul: a bfloat16 out takes a bf16 product (compute='bf16')")
     if M == 0 or N == 0:
         return out
     if (M > 1 and C.strides[0] == 0) or (N > 1 and C.strides[1] == 0):
         raise ValueError("autohc.matmul: out has a zero stride (an expanded view); "
                          "several results would land on one element")
-    return _run(kind, a, b, out, A, B, C, alpha, beta, threads, params)
+    if not C.f32:
+        # the kernels write fp32 C: accumulate into an fp32 copy, round once into out
+        acc = out.float() if beta != 0.0 else torch.empty((M, N), dtype=torch.float32)
+        _run(kind, a, b, acc, A, B, operand_raw(acc), alpha, beta, threads, params, dtype=compute)
+        out.copy_(acc)
+        return out
+    return _run(kind, a, b, out, A, B, C, alpha, beta, threads, params, dtype=compute)
 
 
 def gemm_into(a, b, out, alpha: float, beta: float, threads: int, bias=None):
@@ -199,11 +233,11 @@ def bmm_into(a, b, out, alpha: float, beta: float, threads: int):
 def operand_raw(t, kind: str = "torch") -> _Operand:
     """An operand the caller already validated (no dtype / autograd checks)."""
     if kind == "torch":
-        return _Operand(t, t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+        return _Operand(t, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.element_size())
     return _Operand(t, t.ctypes.data, tuple(t.shape), tuple(s // 4 for s in t.strides))
 
 
-def _run(kind, a, b, out, A, B, C, alpha, beta, threads, params, bias=None):
+def _run(kind, a, b, out, A, B, C, alpha, beta, threads, params, bias=None, dtype="fp32"):
     M, K = A.shape
     N = B.shape[1]
     if bias is not None:
@@ -221,16 +255,17 @@ def _run(kind, a, b, out, A, B, C, alpha, beta, threads, params, bias=None):
         B = operand_raw(_copy(b, kind), kind)
 
     if params is None:
-        params = tuned_params(M, K, N, A.strides, B.strides, threads)
+        params = tuned_params(M, K, N, A.strides, B.strides, threads, dtype)
     kernel = get_kernel(params)
+    in_f32 = int(A.f32) | int(B.f32) << 1      # (bf16 kernels: which inputs are fp32)
     if C.strides[1] == 1 or N == 1:
         kernel.run(M, N, K, alpha, A.ptr, A.strides[0], A.strides[1], B.ptr, B.strides[0],
                    B.strides[1], beta, C.ptr, C.strides[0] if M > 1 else max(N, 1),
-                   None if bias is None else bias.data_ptr())
+                   None if bias is None else bias.data_ptr(), in_f32)
     elif C.strides[0] == 1 or M == 1:
         # column-major C: C^T (N x M, row-major) = B^T A^T, swapping the operands' strides
         kernel.run(N, M, K, alpha, B.ptr, B.strides[1], B.strides[0], A.ptr, A.strides[1],
-                   A.strides[0], beta, C.ptr, C.strides[1])
+                   A.strides[0], beta, C.ptr, C.strides[1], None, int(B.f32) | int(A.f32) << 1)
     else:
         # no unit stride at all: compute into a contiguous buffer and scatter
         tmp = _copy(out, kind) if beta != 0.0 else None
@@ -242,6 +277,6 @@ def _run(kind, a, b, out, A, B, C, alpha, beta, threads, params, bias=None):
             tmp = np.ascontiguousarray(tmp)
         T = operand_raw(tmp, kind)
         kernel.run(M, N, K, alpha, A.ptr, A.strides[0], A.strides[1], B.ptr, B.strides[0],
-                   B.strides[1], beta, T.ptr, N)
+                   B.strides[1], beta, T.ptr, N, None, in_f32)
         out[...] = tmp
     return out
