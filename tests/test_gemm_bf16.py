@@ -1,0 +1,248 @@
+"""bf16 GEMM: bf16 products (bf16 inputs, or fp32 ones rounded to bf16 while packing), fp32
+accumulation. Checked against float64 of the bf16-rounded inputs with the fp32 accumulation
+bound 2 (K + 4) u32 |A||B| (a product of two bf16 is exact in fp32, so only the sums round),
+plus, for a bf16 out, its one final rounding (2^-8 of the value). Every back-end this CPU runs
+is fuzzed (AVX512_BF16, AMX where present, and the widened fp32 fallback); the ones it cannot
+run are compiled only."""
+import random
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+import autohc
+from autohc.hw import cpu
+from autohc.kernels.gemm.codegen import render_gemm
+from autohc.kernels.gemm.kernel import get_kernel
+from autohc.kernels.gemm.params import GemmParams, ParamError, default_params
+from autohc.kernels.isa import GEMM_ISAS
+from autohc.tune import registry
+
+from gemm_reference import check
+
+# every bf16 back-end this CPU runs: the bf16 ones, then the widened fallback on the fp32 one
+RUNNABLE = cpu.runnable_bf16_isas() + [cpu.best_isa()]
+
+
+def bf16_params(isa: str, threads: int = 1, **over) -> GemmParams:
+    """The generic entry's bf16 default of `isa` (the fp32 default, widened, on fp32 ISAs)."""
+    p = default_params(isa, threads, arch="generic", dtype="bf16")
+    return GemmParams(**{**p.to_dict(), **over}).validate() if over else p
+
+
+def rounded(x):
+    """x as the kernels multiply it: rounded to bf16 (nearest even), held in float64."""
+    return x.to(torch.bfloat16).double()
+
+
+def operands(layout, m, k, n, rng, strided=False):
+    """op(A) (m x k) and op(B) (k x n) as the layout's views; strided: every other column."""
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    step = 2 if strided else 1
+    if layout == "NT":
+        a = torch.randn(m, k * step, generator=g)[:, ::step]
+        b = torch.randn(n, k * step, generator=g)[:, ::step].t()
+    elif layout == "NN":
+        a = torch.randn(m, k * step, generator=g)[:, ::step]
+        b = torch.randn(k, n * step, generator=g)[:, ::step]
+    else:  # TN
+        a = torch.randn(k, m * step, generator=g)[:, ::step].t()
+        b = torch.randn(k, n * step, generator=g)[:, ::step]
+    return a, b
+
+
+def check_bf16(got, a, b, c0, alpha, beta, what):
+    a64, b64 = rounded(a), rounded(b)
+    if got.dtype == torch.bfloat16:
+        exp = alpha * (a64 @ b64) + (beta * c0.double() if beta else 0.0)
+        tol = 2.0 * (a64.shape[1] + 4) * 2.0 ** -24 * (abs(alpha) * (a64.abs() @ b64.abs())
+                                                       + abs(beta) * c0.double().abs())
+        bad = ~((got.double() - exp).abs() <= tol + 2.0 ** -8 * exp.abs() + 1e-30)
+        assert not bad.any(), f"{what}: {int(bad.sum())} wrong elements"
+    else:
+        check(got, a64, b64, c0, alpha, beta, what)
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+def test_fuzz_layouts_shapes_strides_dtypes(isa):
+    """Ragged shapes (1, primes, past the tiles and blocks), the three layouts, strided
+    views, alpha/beta, bf16/fp32/mixed inputs and fp32/bf16 out, on one and two threads."""
+    rng = random.Random(27)
+    sizes = [1, 2, 3, 7, 13, 17, 31, 33, 61, 97, 130, 257, 523]
+    for threads in (1, 2):
+        params = bf16_params(isa, threads)
+        for trial in range(40 if threads == 1 else 15):
+            layout = rng.choice(["NT", "NN", "TN"])
+            m, k, n = (rng.choice(sizes) for _ in range(3))
+            a, b = operands(layout, m, k, n, rng, strided=trial % 5 == 4)
+            a = a if rng.random() < 0.4 else a.to(torch.bfloat16)
+            b = b if rng.random() < 0.4 else b.to(torch.bfloat16)
+            alpha = rng.choice([1.0, -0.5])
+            beta = rng.choice([0.0, 0.0, 1.0, -2.0])
+            out_dtype = rng.choice([torch.float32, torch.bfloat16])
+            c0 = torch.randn(m, n).to(out_dtype)
+            out = c0.clone()
+            autohc.matmul(a, b, out=out, alpha=alpha, beta=beta, params=params, compute="bf16")
+            check_bf16(out, a, b, c0.float(), alpha, beta,
+                       f"{isa} t{threads} {layout} m{m} k{k} n{n} {a.dtype}/{b.dtype}->{out_dtype} "
+                       f"alpha {alpha} beta {beta}")
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+def test_every_register_tile_and_loop_order(isa):
+    """The search space's tiles and both loop orders (edges of every micro-tile)."""
+    rng = random.Random(5)
+    if isa == "amx":
+        tiles = [(32, 32), (16, 48), (48, 16), (16, 16)]
+    elif isa in ("avx512bf16", "avx512"):
+        tiles = [(12, 32), (14, 32), (8, 48), (6, 64), (28, 16)]
+    else:
+        tiles = [(default_params(isa).mr, default_params(isa).nr)]
+    for mr, nr in tiles:
+        for a_outer in (False, True):
+            p = bf16_params(isa, 1, mr=mr, nr=nr, mc=mr * 8, nc=nr * 10, kc=64, a_outer=a_outer)
+            for layout in ("NT", "NN", "TN"):
+                m, k, n = mr * 3 + 1, 64 * 2 + 33, nr * 2 + 5
+                a, b = operands(layout, m, k, n, rng)
+                out = autohc.matmul(a, b, params=p, compute="bf16")
+                check_bf16(out, a, b, torch.zeros(m, n), 1.0, 0.0, f"{isa} {mr}x{nr} {layout} {a_outer}")
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+def test_zero_sizes_and_nan(isa):
+    p = bf16_params(isa)
+    a = torch.randn(5, 0, dtype=torch.bfloat16)
+    b = torch.randn(0, 3, dtype=torch.bfloat16)
+    out = torch.full((5, 3), 2.0)
+    autohc.matmul(a, b, out=out, beta=0.5, params=p)          # K == 0: C := beta C
+    assert torch.equal(out, torch.full((5, 3), 1.0))
+    assert autohc.matmul(torch.randn(0, 4).bfloat16(), torch.randn(4, 3).bfloat16(), params=p).shape == (0, 3)
+    # beta == 0 never reads C; a NaN in A reaches only its own row
+    out = torch.full((4, 3), float("nan"))
+    a = torch.ones(4, 8, dtype=torch.bfloat16)
+    a[1, 2] = float("nan")
+    autohc.matmul(a, torch.ones(8, 3, dtype=torch.bfloat16), out=out, params=p)
+    assert torch.isnan(out[1]).all() and torch.equal(out[[0, 2, 3]], torch.full((3, 3), 8.0))
+
+
+def test_fp32_inputs_are_rounded_to_nearest_even_while_packing():
+    """compute='bf16' on fp32 inputs gives what bf16 inputs rounded by torch give, bit for bit
+    (the same products, summed in the same order)."""
+    for isa in RUNNABLE:
+        p = bf16_params(isa)
+        x = torch.randn(37, 301) * 3
+        w = torch.randn(45, 301)
+        got = autohc.matmul(x, w.t(), params=p, compute="bf16")
+        want = autohc.matmul(x.to(torch.bfloat16), w.to(torch.bfloat16).t(), out=torch.empty(37, 45), params=p)
+        assert torch.equal(got, want), isa
+
+
+def test_numpy_with_compute_bf16():
+    x = np.random.default_rng(0).standard_normal((20, 70), dtype=np.float32)
+    w = np.random.default_rng(1).standard_normal((70, 9), dtype=np.float32)
+    got = autohc.matmul(x, w, compute="bf16")
+    assert got.dtype == np.float32
+    check(torch.from_numpy(got), rounded(torch.from_numpy(x)), rounded(torch.from_numpy(w)),
+          torch.zeros(20, 9), 1.0, 0.0, "numpy")
+
+
+def test_bad_inputs_are_one_clear_error():
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="compute='bf16'"):
+        autohc.matmul(x, x.t(), compute="fp32")
+    with pytest.raises(ValueError, match="compute must be"):
+        autohc.matmul(x, x.t(), compute="fp16")
+    with pytest.raises(ValueError, match="params compute in fp32"):
+        autohc.matmul(x, x.t(), params=default_params(cpu.best_isa()))
+    with pytest.raises(TypeError, match="bfloat16 out"):
+        autohc.matmul(torch.randn(4, 8), torch.randn(8, 2), out=torch.empty(4, 2, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="float16"):
+        autohc.matmul(x.half(), x.t())
+
+
+def test_params_validation():
+    with pytest.raises(ParamError, match="needs dtype='bf16'"):
+        GemmParams(isa="avx512bf16", vl=16, mr=12, nr=32).validate()
+    with pytest.raises(ParamError, match="no skinny path"):
+        GemmParams(isa="avx512bf16", vl=16, mr=12, nr=32, dtype="bf16", skinny_m=16).validate()
+    with pytest.raises(ParamError, match="tiles"):
+        GemmParams(isa="amx", vl=16, mr=32, nr=48, dtype="bf16", skinny_m=0, kc=256, nc=4080).validate()
+    with pytest.raises(ParamError, match="multiple of 16"):
+        GemmParams(isa="amx", vl=16, mr=12, nr=32, dtype="bf16", skinny_m=0).validate()
+    with pytest.raises(ParamError, match="blocks of 32"):
+        GemmParams(isa="amx", vl=16, mr=32, nr=32, dtype="bf16", skinny_m=0, kc=200).validate()
+    with pytest.raises(ParamError, match="pairs"):
+        GemmParams(isa="avx512bf16", vl=16, mr=12, nr=32, dtype="bf16", skinny_m=0, kc=255).validate()
+    # an fp32 set keeps the key of releases before bf16; a bf16 one is another kernel
+    p = default_params("avx2")
+    assert "dtype" not in p.to_dict() and GemmParams.from_dict(p.to_dict()) == p
+    q = default_params("avx2", dtype="bf16")
+    assert q.key != p.key and GemmParams.from_dict(q.to_dict()) == q
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
+@pytest.mark.parametrize("isa", ["avx512bf16", "amx", "avx2", "portable"])
+def test_every_bf16_backend_compiles_standalone(isa, tmp_path):
+    """The rendered C builds without Python (as `autohc export` ships it) with every warning
+    an error: AMX and AVX512_BF16 included on CPUs that cannot run them."""
+    for threads, a_outer in ((1, False), (2, True)):
+        p = bf16_params(isa, threads, a_outer=a_outer)
+        c = tmp_path / f"{isa}{threads}.c"
+        c.write_text(render_gemm(p))
+        cmd = ["gcc", "-O3", "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared",
+               *GEMM_ISAS[isa].cflags, str(c), "-o", str(tmp_path / f"{isa}{threads}.so"), "-lpthread"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+    src = render_gemm(bf16_params(isa))
+    if isa == "amx":
+        assert "_tile_dpbf16ps" in src and "amx_configure" in src
+    elif isa == "avx512bf16":
+        assert "_mm512_dpbf16_ps" in src
+    else:
+        assert "_mm512_dpbf16_ps" not in src and "_tile_" not in src
+
+
+def test_unrunnable_backend_says_so():
+    for isa in ("amx", "avx512bf16"):
+        if isa in cpu.runnable_bf16_isas():
+            continue
+        k = get_kernel(bf16_params(isa))
+        assert not k.runnable
+        with pytest.raises(RuntimeError, match="cannot run"):
+            k.run(1, 1, 1, 1.0, 0, 1, 1, 0, 1, 1, 0.0, 0, 1)
+
+
+def test_bf16_choice_and_reason(monkeypatch):
+    from autohc.hw.cpu import CpuInfo
+    base = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}
+
+    def fake(flags):
+        return CpuInfo(arch="x86_64", vendor="v", model="m", flags=frozenset(flags), cpus=(0,))
+    monkeypatch.delenv(cpu.BF16_ISA_ENV, raising=False)
+    assert cpu.bf16_isa(fake(base | {"avx512_bf16", "amx_tile", "amx_bf16"}))[0] == "amx"
+    assert cpu.bf16_isa(fake(base | {"avx512_bf16"}))[0] == "avx512bf16"
+    isa, why = cpu.bf16_isa(fake({"avx2", "fma"}))
+    assert isa == "avx2" and "widened" in why
+    monkeypatch.setenv(cpu.BF16_ISA_ENV, "avx512bf16")
+    assert cpu.bf16_isa(fake(base | {"avx512_bf16", "amx_tile", "amx_bf16"}))[0] == "avx512bf16"
+    with pytest.raises(ValueError, match="AUTOHC_BF16_ISA"):
+        cpu.bf16_isa(fake({"avx2", "fma"}))
+
+
+def test_registry_keeps_bf16_and_fp32_apart(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOHC_REGISTRY", str(tmp_path / "registry.json"))
+    registry.forget()
+    p16 = default_params(cpu.bf16_isa()[0], 1, dtype="bf16")
+    registry.record("gemm", "NT", 1152, 4608, 2048, 1, p16, 200.0, 190.0)
+    assert registry.lookup("gemm", "NT", 1152, 4608, 2048, 1) is None
+    hit = registry.lookup("gemm", "NT", 1152, 4608, 2048, 1, dtype="bf16")
+    assert hit is not None and hit[0] == p16 and hit[1]["dtype"] == "bf16"
+    p32 = default_params(cpu.best_isa(), 1)
+    registry.record("gemm", "NT", 1152, 4608, 2048, 1, p32, 100.0, 90.0)
+    assert registry.lookup("gemm", "NT", 1152, 4608, 2048, 1)[0] == p32
+    assert registry.lookup("gemm", "NT", 1152, 4608, 2048, 1, dtype="bf16")[0] == p16
+    keys = registry.entries_for_this_cpu("gemm")
+    assert "gemm/NT/K1152/N4608/M2048/t1/bf16" in keys and "gemm/NT/K1152/N4608/M2048/t1" in keys
+    registry.forget()
