@@ -1,4 +1,6 @@
 """GEMM benchmark: autohc vs torch.matmul (MKL) vs numpy (OpenBLAS), measured in one run.
+bf16: autohc's bf16 kernels (bf16 inputs, fp32 C) vs torch's bf16 matmul (oneDNN, bf16 C), and
+vs the fp32 libraries on the fp32 operands (what the bf16 kernels must beat to be worth it).
 
 The machine is shared and noisy, so the three are timed by the one protocol (bench/timing.py:
 interleaved, warmed up, samples of 20 ms and more, medians with their spread); ratios measured
@@ -53,11 +55,16 @@ class GemmRow:
     torch_spread_pct: float = 0.0
     tuning_s: float = 0.0           # first-use tuning of this problem (compiles + race), not timed
     numpy_spread_pct: float = float("nan")
+    # bf16 rows: torch_gflops is torch's bf16 matmul, numpy_gflops numpy's fp32 one, and these
+    # the fp32 torch.matmul and autohc over the faster fp32 library
+    dtype: str = "fp32"
+    torch_fp32_gflops: float = float("nan")
+    speedup_vs_fp32: float = float("nan")
 
 
 def bench_problem(p: GemmProblem, threads: int, *, repeats: int = 7, params: GemmParams | None = None,
                   peak_per_core: float | None = None, target_seconds: float = 0.25,
-                  with_numpy: bool = True) -> GemmRow:
+                  with_numpy: bool = True, dtype: str = "fp32") -> GemmRow:
     """Time one problem for autohc, torch and numpy by the timing protocol (bench/timing.py)."""
     a, b = p.operands()
     # the layout of the operands in the GEMM sense: result is (a.rows, b.cols)
@@ -66,22 +73,28 @@ def bench_problem(p: GemmProblem, threads: int, *, repeats: int = 7, params: Gem
     out = torch.empty(M, N)
     an, bn, on = a.numpy(), b.numpy(), np.empty((M, N), np.float32)
     tuning_s = 0.0
+    bf16 = dtype == "bf16"
+    a16, b16 = (a.to(torch.bfloat16), b.to(torch.bfloat16)) if bf16 else (a, b)
     if params is None:      # what autohc.matmul runs: the registry's config, else the default
-        if first_use.enabled() and registry.lookup("gemm", p.layout, p.K, p.N, p.M, threads) is None:
+        if not bf16 and first_use.enabled() and \
+                registry.lookup("gemm", p.layout, p.K, p.N, p.M, threads) is None:
             t = first_use.finish(p.layout, p.M, p.K, p.N, threads)     # as a first call would
             tuning_s = t.build_s + t.race_s if t is not None else 0.0
-        run_params = tuned_params(M, K, N, a.stride(), b.stride(), threads)
-        hit = registry.lookup("gemm", p.layout, p.K, p.N, p.M, threads)
-        config = ("default" if run_params == default_kernel_params(threads) else
+        run_params = tuned_params(M, K, N, a.stride(), b.stride(), threads, dtype)
+        hit = registry.lookup("gemm", p.layout, p.K, p.N, p.M, threads, dtype=dtype)
+        config = ("default" if run_params == default_kernel_params(threads, dtype=dtype) else
                   "first-use" if tuning_s and hit and hit[1].get("source") == "first-use" else "tuned")
     else:
         run_params, config = params, "given"
     get_kernel(run_params)
+    out16 = torch.empty(M, N, dtype=torch.bfloat16)
     fns = {
-        "autohc": lambda: matmul(a, b, out=out, params=run_params),
-        "torch": lambda: torch.matmul(a, b, out=out),
+        "autohc": lambda: matmul(a16, b16, out=out, params=run_params),
+        "torch": (lambda: torch.matmul(a16, b16, out=out16)) if bf16 else (lambda: torch.matmul(a, b, out=out)),
         "numpy": lambda: np.matmul(an, bn, out=on),
     }
+    if bf16:
+        fns["torch_fp32"] = lambda: torch.matmul(a, b, out=out)
     if not with_numpy:
         del fns["numpy"]
     undo = set_blas_threads(threads)
@@ -91,13 +104,16 @@ def bench_problem(p: GemmProblem, threads: int, *, repeats: int = 7, params: Gem
         undo()
     g = {k: p.flops / v.median / 1e9 for k, v in times.items()}
     g.setdefault("numpy", float("nan"))
+    g.setdefault("torch_fp32", float("nan"))
     peak = (peak_per_core or 0.0) * threads
+    fp32_best = max(g["torch_fp32"], g["numpy"]) if bf16 else float("nan")
     return GemmRow(p.name, p.layout, p.M, p.K, p.N, threads, round(g["autohc"], 1),
                    round(g["torch"], 1), round(g["numpy"], 1),
                    round(100 * g["autohc"] / peak, 1) if peak else float("nan"),
                    round(g["autohc"] / g["torch"], 3), round(g["autohc"] / g["numpy"], 3), config,
                    times["autohc"].spread_pct, times["torch"].spread_pct, round(tuning_s, 2),
-                   times["numpy"].spread_pct if "numpy" in times else float("nan"))
+                   times["numpy"].spread_pct if "numpy" in times else float("nan"),
+                   dtype, round(g["torch_fp32"], 1), round(g["autohc"] / fp32_best, 3))
 
 
 def geomean(xs) -> float:
@@ -106,19 +122,31 @@ def geomean(xs) -> float:
 
 
 def bench_gemm(model: str = "dit-xl", threads: int = 1, *, repeats: int = 7, progress=None,
-               images: int = 8, first_use_tuning: bool = True) -> dict:
+               images: int = 8, first_use_tuning: bool = True, dtype: str = "fp32") -> dict:
     """All DiT training GEMMs of `model` at `threads`; the JSON object of `autohc bench gemm`.
     With first-use tuning (as install() has it), a problem the registry lacks is tuned first,
-    that time reported apart (`tuning_s`), then what matmul runs after it is timed."""
-    from .peak import fma_peak_gflops
-    isa = cpu.best_isa()
-    peak = fma_peak_gflops(isa)
+    that time reported apart (`tuning_s`), then what matmul runs after it is timed.
+    dtype bf16: the bf16 kernels (tuned with `autohc tune --dtype bf16`, else the default) on
+    this CPU's bf16 back-end, % of its bf16 peak (the tile peak on AMX, else the dot one)."""
+    from .peak import bf16_peak_gflops, fma_peak_gflops
+    extra = {}
+    if dtype == "bf16":
+        isa, why = cpu.bf16_isa()
+        kind = "tile" if isa == "amx" else "dot"
+        peak = bf16_peak_gflops(kind) if isa in ("amx", "avx512bf16") else None
+        if peak is None:        # the widened fallback: its ceiling is the fp32 one
+            peak = fma_peak_gflops(isa)
+            kind = "fp32 fma"
+        extra = {"dtype": "bf16", "bf16_isa": isa, "bf16_why": why, "peak_kind": kind}
+    else:
+        isa = cpu.best_isa()
+        peak = fma_peak_gflops(isa)
     rows = []
     was = first_use.enabled()
     first_use.enable(first_use_tuning)
     try:
         for p in dit_problems(model, images):
-            rows.append(bench_problem(p, threads, repeats=repeats, peak_per_core=peak))
+            rows.append(bench_problem(p, threads, repeats=repeats, peak_per_core=peak, dtype=dtype))
             if progress:
                 progress(rows[-1])
     finally:
@@ -132,4 +160,8 @@ def bench_gemm(model: str = "dit-xl", threads: int = 1, *, repeats: int = 7, pro
         "geomean_speedup_vs_numpy": round(geomean(r.speedup_vs_numpy for r in rows), 3),
         "first_use_tuning": first_use_tuning and not first_use.env_off(),
         "first_use_tuning_s": round(sum(r.tuning_s for r in rows), 2),
+        **extra,
+        **({"geomean_speedup_vs_fp32": round(geomean(r.speedup_vs_fp32 for r in rows), 3),
+            "token_gemms_min_pct_peak": min(r.pct_peak for r in rows if r.name != "adaLN")}
+           if dtype == "bf16" else {}),
     }

@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n  autohc tune --shape 1152x4608                 # NT, NN and TN, M = 2048\n"
                "  autohc tune --shape 1152x4608 --layout NT --threads 1 --json\n"
                "  autohc tune --model dit-xl --threads 2 --timeout 30\n"
+               "  autohc tune --shape 1152x4608 --dtype bf16   # the bf16 kernels vs oneDNN bf16\n"
                "  autohc tune --shape 1152x1152 --storage postgresql://user@host/db   # a shared study")
     what = tune.add_mutually_exclusive_group(required=True)
     what.add_argument("--shape", type=_shape, metavar="KxN",
@@ -104,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="Optuna storage URL (default: sqlite in the autohc cache)")
     tune.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
     tune.add_argument("--force", action="store_true", help="retune problems already in the registry")
+    tune.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                      help="bf16: the bf16 kernels (bf16 products, fp32 sums) on this CPU's bf16 "
+                           "back-end (AMX tiles, else AVX512_BF16; `autohc info` says which), "
+                           "raced against torch's bf16 matmul (oneDNN); default fp32")
     tune.add_argument("--json", action="store_true", help="one JSON object per problem")
     tune.add_argument("--images", type=positive_int, default=8,
                       help="with --op: DiT-XL/2 tensors for this many images, and for adamw 8M "
@@ -138,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Times autohc.matmul, torch.matmul (MKL) and numpy.matmul (OpenBLAS) on the "
                     "GEMMs of one DiT block at M = images x 256 tokens (adaLN: M = images), "
                     "interleaved, median of repeats, at each thread count asked for.",
-        epilog="example:\n  autohc bench gemm --model dit-xl --threads 1 2 --json")
+        epilog="examples:\n  autohc bench gemm --model dit-xl --threads 1 2 --json\n"
+               "  autohc bench gemm --model dit-xl --threads 1 2 --dtype bf16")
     g.add_argument("--model", default="dit-xl", choices=["dit-s", "dit-b", "dit-l", "dit-xl"],
                    help="DiT size (default: dit-xl, hidden 1152)")
     g.add_argument("--threads", type=positive_int, nargs="+", default=[1],
@@ -146,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--images", type=positive_int, default=8,
                    help="images per batch: M = images x 256 (default: 8, i.e. M = 2048)")
     g.add_argument("--repeats", type=positive_int, default=7, help="timed repeats (default: 7)")
+    g.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: autohc's bf16 kernels (bf16 inputs, fp32 C) against torch's bf16 "
+                        "matmul (oneDNN, bf16 C) and the fp32 libraries (MKL, OpenBLAS), with "
+                        "%% of the bf16 peak; default fp32")
     g.add_argument("--json", action="store_true",
                    help="print JSON (one object per thread count) instead of tables")
     g.add_argument("--markdown", action="store_true", help="print Markdown tables (as in the README)")

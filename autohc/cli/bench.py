@@ -118,7 +118,8 @@ def cmd_bench_gemm(args) -> int:
         for threads in args.threads:
             task = progress.add_task(f"{args.model} GEMMs, {threads} thread(s)", total=n)
             r = bench_gemm(args.model, threads, repeats=args.repeats, images=args.images,
-                           first_use_tuning=not args.no_first_use_tuning, progress=lambda _row, t=task: progress.advance(t))
+                           first_use_tuning=not args.no_first_use_tuning,
+                           progress=lambda _row, t=task: progress.advance(t), dtype=args.dtype)
             r["wait_policy"] = "contended" if args.contended else "passive"
             results.append(r)
     if args.json:
@@ -130,6 +131,10 @@ def cmd_bench_gemm(args) -> int:
             print(markdown_table(r))
         return 0
     out = Console(width=max(Console().width, 130))
+    if args.dtype == "bf16":
+        for r in results:
+            out.print(_bf16_table(r))
+        return 0
     for r in results:
         t = Table(title=f"{r['model']} training GEMMs, {r['threads']} thread(s), {r['isa']} "
                         f"(peak {r['peak_gflops_per_core']} GFLOP/s per core)")
@@ -148,6 +153,25 @@ def cmd_bench_gemm(args) -> int:
                         if r.get("first_use_tuning_s") else ""))
         out.print(t)
     return 0
+
+
+def _bf16_table(r: dict):
+    from rich.table import Table
+    t = Table(title=f"{r['model']} training GEMMs in bf16, {r['threads']} thread(s), {r['bf16_isa']} "
+                    f"({r['bf16_why']}; {r['peak_kind']} peak {r['peak_gflops_per_core']} GFLOP/s "
+                    f"per core)")
+    for col in ("GEMM", "layout", "M", "K", "N", "config", "autohc bf16", "% peak", "torch bf16",
+                "torch fp32", "numpy fp32", "x torch bf16", "x best fp32"):
+        t.add_column(col, justify="left" if col in ("GEMM", "layout", "config") else "right")
+    for w in r["rows"]:
+        t.add_row(w["name"], w["layout"], str(w["M"]), str(w["K"]), str(w["N"]), w.get("config", ""),
+                  f"{w['gflops']:.1f}", f"{w['pct_peak']:.0f}%", f"{w['torch_gflops']:.1f}",
+                  f"{w['torch_fp32_gflops']:.1f}", f"{w['numpy_gflops']:.1f}",
+                  f"{w['speedup_vs_torch']:.2f}", f"{w['speedup_vs_fp32']:.2f}")
+    t.caption = (f"GFLOP/s; autohc writes fp32 C, torch bf16 C. geomean {r['geomean_speedup_vs_torch']:.2f}x "
+                 f"torch bf16 (oneDNN), {r['geomean_speedup_vs_fp32']:.2f}x the faster fp32 library; "
+                 f"token GEMMs at >= {r['token_gemms_min_pct_peak']:.0f}% of the bf16 peak")
+    return t
 
 
 def cmd_bench_ops(args) -> int:

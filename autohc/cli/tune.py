@@ -34,14 +34,24 @@ def cmd_tune(args, parser) -> int:
         problems = [GemmProblem(f"{k}x{n}", lay, args.m, k, n) for lay in layouts]
     if args.layout != "all" and args.model:
         problems = [p for p in problems if p.layout == args.layout]
+    if args.dtype == "bf16":
+        from ..bench.peak import bf16_peak_gflops
+        from ..kernels.isa import BF16_ISAS
+        isa, why = cpu.bf16_isa()
+        if isa not in BF16_ISAS:
+            raise ValueError(f"nothing to tune in bf16 here: {why}")
+        peak_per_core = bf16_peak_gflops("tile" if isa == "amx" else "dot") or float("nan")
+    else:
+        isa = cpu.best_isa()
+        peak_per_core = fma_peak_gflops(isa)
     console = Console(stderr=True)
     results = []
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[best]}"),
                   TimeElapsedColumn(), console=console, transient=True) as progress:
         for p in problems:
             hit = None if args.force else registry.lookup("gemm", p.layout, p.K, p.N, p.M, threads,
-                                                          exact=True)
-            if hit and hit[1].get("M") == p.M and hit[0].isa == cpu.best_isa():
+                                                          exact=True, dtype=args.dtype)
+            if hit and hit[1].get("M") == p.M and hit[0].isa == isa:
                 r = TuneResult.from_entry(p, threads, *hit)      # no torch, no optuna
                 results.append(r)
                 if args.json:
@@ -58,15 +68,16 @@ def cmd_tune(args, parser) -> int:
                 progress.update(task, completed=len(study.trials), best=best)
             r = tune_problem(p, threads, trials=args.trials, timeout=args.timeout,
                              storage=args.storage, seed=args.seed, force=args.force,
-                             progress=on_trial)
+                             progress=on_trial, dtype=args.dtype)
             progress.update(task, completed=args.trials)
             results.append(r)
             if args.json:
                 print(json.dumps(r.to_json()), flush=True)
     if args.json:
         return 0
-    peak = fma_peak_gflops(cpu.best_isa()) * threads
-    t = Table(title=f"tuned GEMMs, {threads} thread(s), {cpu.best_isa()}")
+    peak = peak_per_core * threads
+    t = Table(title=f"tuned {args.dtype} GEMMs, {threads} thread(s), {isa}"
+                    + (" (torch: its bf16 matmul, oneDNN)" if args.dtype == "bf16" else ""))
     for col in ("GEMM", "layout", "M", "K", "N", "MRxNR", "KC/MC/NC", "JCxICxJR ways", "depth",
                 "GFLOP/s", "% peak", "torch", "x torch", "trials", "source"):
         t.add_column(col, justify="left" if col in ("GEMM", "layout", "source") else "right")

@@ -18,6 +18,7 @@ from ..datafiles import data_dir
 
 from ..hw import cpu
 from .family import ParamError
+from .isa import BF16_ISAS
 
 MATCH_KEYS = ("vendor", "family", "models", "flags", "without")
 ENTRY_KEYS = {"name", "title", "match", "gemm", "eltwise", "attention"}
@@ -134,7 +135,7 @@ def gemm_default(isa: str, arch: Arch | None = None, info: cpu.CpuInfo | None = 
     info = info or cpu.detect()
     _, entry = _gemm_entry(isa, arch or select(info))
     values = dict(entry["default"])
-    if entry.get("derive_blocks"):
+    if entry.get("derive_blocks") and isa not in BF16_ISAS:   # (the L1 rule counts floats)
         values = derived_blocks(values, info)
     return values
 

@@ -22,7 +22,8 @@ from ..hw import cpu
 from ..kernels.family import exported_declarations
 from ..kernels.gemm.codegen import gemm_cdef, render_gemm
 from ..kernels.gemm.kernel import default_kernel_params
-from ..kernels.gemm.params import ISAS, GemmParams
+from ..kernels.gemm.params import GemmParams
+from ..kernels.isa import GEMM_ISAS
 from ..kernels.render import environment
 from ..runtime.pool import SPIN_US
 from . import registry
@@ -39,14 +40,15 @@ def export(out: str | os.PathLike, include_defaults: bool = True) -> dict:
     for key, entry in sorted(registry.entries_for_this_cpu("gemm").items()):
         try:
             items.append((GemmParams.from_dict(entry["params"]), {"registry_key": key, **{
-                k: entry.get(k) for k in ("op", "layout", "K", "N", "M", "threads", "gflops",
+                k: entry.get(k) for k in ("op", "dtype", "layout", "K", "N", "M", "threads", "gflops",
                                           "torch_gflops", "speedup_vs_torch")}}))
         except Exception:  # noqa: BLE001 - an invalid entry is skipped, as lookups do
             continue
-    if include_defaults:
-        for threads in sorted({1, info.cores}):
-            items.append((registry_default(threads), {"registry_key": None, "default": True,
-                                                      "threads": threads}))
+    if include_defaults:        # fp32, and bf16 on this CPU's bf16 back-end
+        for dtype in ("fp32", "bf16"):
+            for threads in sorted({1, info.cores}):
+                items.append((registry_default(threads, dtype), {"registry_key": None, "default": True,
+                                                                 "dtype": dtype, "threads": threads}))
     kernels, seen = [], set()
     decls = []
     for params, meta in items:
@@ -56,11 +58,11 @@ def export(out: str | os.PathLike, include_defaults: bool = True) -> dict:
         src = render_gemm(params)
         rel = f"kernels/{params.symbol}.c"
         atomic_write_text(out / rel, src)
-        decls.append(f"/* {meta.get('layout') or 'default'} {params.isa} "
+        decls.append(f"/* {meta.get('layout') or 'default'} {params.dtype} {params.isa} "
                      f"{params.mr}x{params.nr} threads={params.threads} */\n" + gemm_cdef(params, src))
         kernels.append({"symbol": params.symbol, "source": rel,
                         "sha256": hashlib.sha256(src.encode()).hexdigest(),
-                        "cflags": ["-O3", "-std=gnu11", *ISAS[params.isa].cflags],
+                        "cflags": ["-O3", "-std=gnu11", *GEMM_ISAS[params.isa].cflags],
                         "ldflags": ["-lpthread"], "params": params.to_dict(), **meta})
     pool_src = environment().get_template("runtime/pool.c.j2").render(spin_us=SPIN_US)
     atomic_write_text(out / "kernels" / "autohc_pool.c", pool_src)
@@ -69,6 +71,8 @@ def export(out: str | os.PathLike, include_defaults: bool = True) -> dict:
               " * Each <symbol>_gemm computes C := alpha*op(A)*op(B) + beta*C, with\n"
               " * op(A)(i,k) = A[i*rsa + k*csa], op(B)(k,j) = B[k*rsb + j*csb], C row-major (ldc).\n"
               " * Bind each kernel to the pool once: <symbol>_bind((void *)autohc_pool_run).\n"
+              " * bf16 kernels take A and B as void * of bf16 elements, or fp32 ones where a last\n"
+              " * argument in_f32 has bit 0 (A) or bit 1 (B) set; they multiply in bf16, sum in fp32.\n"
               " * Returns 0, or -1 (out of memory) / -2 (cannot start threads) / -3 (not bound).\n"
               " * The full contract: the comment at the top of each kernel's source. */\n"
               f"#ifndef {HEADER_GUARD}\n#define {HEADER_GUARD}\n#include <stdint.h>\n"
@@ -84,5 +88,5 @@ def export(out: str | os.PathLike, include_defaults: bool = True) -> dict:
     return manifest
 
 
-def registry_default(threads: int) -> GemmParams:
-    return default_kernel_params(threads)
+def registry_default(threads: int, dtype: str = "fp32") -> GemmParams:
+    return default_kernel_params(threads, dtype=dtype)

@@ -23,6 +23,7 @@ from ..kernels.gemm.kernel import KernelError, default_kernel_params, get_kernel
 from ..kernels.gemm.matmul import matmul
 from ..kernels.gemm.params import GemmParams, ParamError
 from ..kernels.gemm.problem import GemmProblem
+from ..kernels.isa import BF16_ISAS
 from . import pipeline, registry
 from .result import TuneResult
 from .space import starting_points, suggest_params
@@ -63,6 +64,7 @@ def open_storage(url: str | None = None):
 
 
 def study_name(p: GemmProblem, threads: int, isa: str) -> str:
+    """(a bf16 back-end's name says the dtype)"""
     return (f"gemm-{p.layout}-M{p.M}-K{p.K}-N{p.N}-t{threads}-{isa}-"
             f"{cpu.detect().fingerprint}")
 
@@ -71,15 +73,18 @@ def _against_torch(problem: GemmProblem, candidates: dict[str, GemmParams], thre
                    **race_kw) -> dict:
     """Each candidate's matmul and torch.matmul ("baseline") on the problem's operands, timed
     side by side by the one protocol (pipeline.race) at `threads` for every library."""
-    a, b = problem.operands()
+    bf16 = next(iter(candidates.values())).dtype == "bf16"
+    a, b = problem.operands(0, torch.bfloat16 if bf16 else None)
     out = torch.empty(a.shape[0], b.shape[1])
+    # the baseline: torch's own matmul of the same inputs (bf16: oneDNN, writing bf16)
+    base_out = torch.empty(out.shape, dtype=a.dtype)
     for p in candidates.values():
         get_kernel(p)
     undo = set_blas_threads(threads)
     try:
         return pipeline.race({k: (lambda p=p: matmul(a, b, out=out, params=p))
                               for k, p in candidates.items()},
-                             lambda: torch.matmul(a, b, out=out), **race_kw)
+                             lambda: torch.matmul(a, b, out=base_out), **race_kw)
     finally:
         undo()
 
@@ -95,13 +100,21 @@ def measure(problem: GemmProblem, params: GemmParams, threads: int,
 
 def tune_problem(problem: GemmProblem, threads: int = 1, *, trials: int | None = 40,
                  timeout: float | None = 60.0, storage: str | None = None, seed: int = 0,
-                 force: bool = False, isa: str | None = None, progress=None) -> TuneResult:
-    """Tune (or answer from the registry) one problem. `trials` is the study's total."""
+                 force: bool = False, isa: str | None = None, progress=None,
+                 dtype: str = "fp32") -> TuneResult:
+    """Tune (or answer from the registry) one problem. `trials` is the study's total.
+    dtype bf16: on this CPU's bf16 back-end (AVX512_BF16 or AMX; ValueError where it has
+    neither: the widened fallback runs the fp32 kernels, tuned as fp32)."""
     import optuna                       # imported only when a problem is really tuned
     t0 = time.perf_counter()
+    if dtype == "bf16":
+        isa = isa or cpu.bf16_isa()[0]
+        if isa not in BF16_ISAS:
+            raise ValueError(f"nothing to tune in bf16 on {isa}: {cpu.bf16_isa()[1]}")
     isa = isa or cpu.best_isa()
     if not force:
-        hit = registry.lookup("gemm", problem.layout, problem.K, problem.N, problem.M, threads, exact=True)
+        hit = registry.lookup("gemm", problem.layout, problem.K, problem.N, problem.M, threads,
+                              exact=True, dtype=dtype)
         if hit and hit[1].get("M") == problem.M and hit[0].isa == isa:
             return TuneResult.from_entry(problem, threads, *hit, time.perf_counter() - t0)
     optuna.logging.set_verbosity(logging.WARNING)
@@ -112,9 +125,9 @@ def tune_problem(problem: GemmProblem, threads: int = 1, *, trials: int | None =
                                 sampler=optuna.samplers.TPESampler(seed=seed, n_startup_trials=4),
                                 load_if_exists=True)
     if not study.trials:            # the default first: tuning never ends worse than it
-        for values in starting_points(default_kernel_params(threads, isa), isa):
+        for values in starting_points(default_kernel_params(threads, isa, dtype), isa):
             study.enqueue_trial(values)
-    verifier = GemmVerifier(problem, seed)
+    verifier = GemmVerifier(problem, seed, dtype)
 
     def objective(trial) -> float:
         try:
@@ -143,7 +156,7 @@ def tune_problem(problem: GemmProblem, threads: int = 1, *, trials: int | None =
     if not complete:
         raise RuntimeError(f"tuning {name}: no trial completed (see the study in {store.url})")
     params, gflops, torch_gflops, default_gflops = final_race(
-        problem, threads, default_kernel_params(threads, isa), complete)
+        problem, threads, default_kernel_params(threads, isa, dtype), complete)
     result = TuneResult(problem, threads, params, gflops, torch_gflops, trials_done, False, name,
                         time.perf_counter() - t0, default_gflops=default_gflops)
     registry.record("gemm", problem.layout, problem.K, problem.N, problem.M, threads, params,

@@ -16,7 +16,8 @@ import yaml
 from ..datafiles import data_dir
 
 from ..kernels import archs
-from ..kernels.gemm.params import ISAS, GemmParams, default_params
+from ..kernels.gemm.params import GemmParams, default_params
+from ..kernels.isa import GEMM_ISAS
 
 
 def spaces_dir() -> Path:
@@ -48,7 +49,7 @@ def geometries(threads: int) -> list[str]:
 
 
 def isa_entries(space: dict, isa: str) -> dict:
-    if isa not in ISAS:
+    if isa not in GEMM_ISAS:
         raise ValueError(f"unknown isa {isa!r}")
     entries = dict(space.get("common", {}))
     entries.update((space.get("isa") or {}).get(isa, {}))

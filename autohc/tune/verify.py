@@ -24,9 +24,11 @@ class GemmVerifier:
     float64 reference (never an fp32 torch.matmul, which install() may route to autohc itself),
     error bound gamma_k |A||B| scaled to K."""
 
-    def __init__(self, problem: GemmProblem, seed: int = 0):
+    def __init__(self, problem: GemmProblem, seed: int = 0, dtype: str = "fp32"):
         self.problem = problem
-        self.a, self.b = problem.operands(seed)
+        # bf16: bf16 operands, whose products are exact in fp32: the same bound holds
+        self.dtype = torch.bfloat16 if dtype == "bf16" else None
+        self.a, self.b = problem.operands(seed, self.dtype)
         a64, b64 = self.a.double(), self.b.double()
         self.ref = a64 @ b64
         k = self.a.shape[1]
@@ -43,8 +45,8 @@ class GemmVerifier:
             m, k, n = (self.rng.choice([1, 2, 3, 7, 13, params.mr + 1, params.nr + 1,
                                         params.kc + 1, 61]) for _ in range(3))
             a, b = GemmProblem("ragged", self.problem.layout,
-                               *registry.linear_dims(self.problem.layout, m, k, n)).operands()
-            out = matmul(a, b, params=params)
+                               *registry.linear_dims(self.problem.layout, m, k, n)).operands(0, self.dtype)
+            out = matmul(a, b, out=torch.empty(m, n), params=params)
             ref = a.double() @ b.double()
             bound = 2.0 * (a.shape[1] + 4) * U32 * (a.double().abs() @ b.double().abs()) + 1e-30
             if not ((out.double() - ref).abs() <= bound).all():

@@ -168,6 +168,8 @@ def default_params(isa: str, threads: int = 1, arch: str | None = None, clusters
         raise ParamError(f"unknown isa {isa!r}; one of {tuple(GEMM_ISAS)}")
     if dtype not in CHOICES["dtype"]:
         raise ParamError(f"dtype={dtype!r}: must be one of {CHOICES['dtype']}")
+    if isa in BF16_ISAS:
+        dtype = "bf16"              # (a bf16 back-end computes nothing else)
     if type(threads) is not int or not 1 <= threads <= MAX_THREADS:
         raise ParamError(f"threads={threads!r}: must be an int in [1, {MAX_THREADS}]")
     base = archs.gemm_default(isa, archs.by_name(arch) if arch else None)

@@ -43,13 +43,16 @@ class GemmProblem:
     def flops(self) -> int:
         return 2 * self.M * self.K * self.N
 
-    def operands(self, seed: int = 0):
-        """(a, b) float32 torch views for the GEMM of this layout (transposes as strides)."""
+    def operands(self, seed: int = 0, dtype=None):
+        """(a, b) float32 (or `dtype`) torch views for the GEMM of this layout (transposes as
+        strides)."""
         import torch
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(self.M, self.K, generator=g)
         w = torch.randn(self.N, self.K, generator=g) * 0.03
         dy = torch.randn(self.M, self.N, generator=g)
+        if dtype is not None:               # (.to keeps a transposed view's strides)
+            x, w, dy = x.to(dtype), w.to(dtype), dy.to(dtype)
         return {"NT": (x, w.t()), "NN": (dy, w), "TN": (dy.t(), x)}[self.layout]
 
 
