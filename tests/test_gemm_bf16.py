@@ -246,3 +246,80 @@ def test_registry_keeps_bf16_and_fp32_apart(tmp_path, monkeypatch):
     keys = registry.entries_for_this_cpu("gemm")
     assert "gemm/NT/K1152/N4608/M2048/t1/bf16" in keys and "gemm/NT/K1152/N4608/M2048/t1" in keys
     registry.forget()
+
+
+needs_bf16_unit = pytest.mark.skipif(not cpu.runnable_bf16_isas(),
+                                     reason="tuning bf16 needs AVX512_BF16 or AMX (elsewhere it "
+                                            "is the widened fp32 kernel, tested above)")
+
+
+@needs_bf16_unit
+def test_tune_bf16_records_a_bf16_entry_that_matmul_runs(tmp_path, monkeypatch):
+    from autohc.kernels.gemm.matmul import tuned_params
+    from autohc.kernels.gemm.problem import GemmProblem
+    from autohc.tune import gemm as tuner
+    monkeypatch.setenv("AUTOHC_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("AUTOHC_REGISTRY", raising=False)
+    registry.forget()
+    prob = GemmProblem("t", "NT", 96, 64, 80)
+    r = tuner.tune_problem(prob, 1, trials=3, timeout=120, dtype="bf16")
+    assert r.params.dtype == "bf16" and r.params.isa == cpu.bf16_isa()[0]
+    assert r.gflops > 0 and r.torch_gflops > 0 and not r.from_registry
+    assert tuner.tune_problem(prob, 1, trials=3, dtype="bf16").from_registry
+    x, w = prob.operands(0, torch.bfloat16)
+    assert tuned_params(96, 64, 80, x.stride(), w.stride(), 1, "bf16") == r.params
+    assert tuned_params(96, 64, 80, x.stride(), w.stride(), 1).dtype == "fp32"
+    registry.forget()
+
+
+def test_export_writes_bf16_kernels_with_their_flags(tmp_path, monkeypatch):
+    """The exported bf16 default builds from its manifest entry and, where the CPU runs it,
+    computes X W^T from bf16 X and fp32 W (in_f32 = 2) without Python."""
+    import textwrap
+    from autohc.tune.export import export
+    monkeypatch.setenv("AUTOHC_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("AUTOHC_REGISTRY", raising=False)
+    manifest = export(tmp_path / "exp")
+    k = next(k for k in manifest["kernels"] if k.get("dtype") == "bf16" and k["threads"] == 1)
+    isa = k["params"]["isa"]
+    assert set(GEMM_ISAS[isa].cflags) <= set(k["cflags"])
+    main = tmp_path / "main.c"
+    main.write_text(textwrap.dedent(f"""
+        #include <stdio.h>
+        #include <string.h>
+        #include "autohc_kernels.h"
+        static uint16_t bf(float f) {{ uint32_t u; memcpy(&u, &f, 4); return (uint16_t)(u >> 16); }}
+        int main(void) {{
+            enum {{ M = 33, K = 40, N = 24 }};
+            static uint16_t x[M * K]; static float w[N * K], y[M * N];
+            for (int i = 0; i < M * K; ++i) x[i] = bf((float)((i * 7) % 13) - 6.0f);
+            for (int i = 0; i < N * K; ++i) w[i] = (float)((i * 5) % 11) - 5.0f;
+            {k['symbol']}_bind((void *)autohc_pool_run);
+            if (!{k['symbol']}_isa_supported()) return 3;
+            if ({k['symbol']}_gemm(M, N, K, 1.0f, x, K, 1, w, 1, K, 0.0f, y, N, 2)) return 2;
+            for (int i = 0; i < M * N; ++i) printf("%.1f\\n", y[i]);
+            return 0;
+        }}"""))
+    exe = tmp_path / "prog"
+    out = tmp_path / "exp"
+    subprocess.run(["gcc", *k["cflags"], f"-I{out}", str(main), str(out / k["source"]),
+                    str(out / manifest["pool"]["source"]), "-o", str(exe), *k["ldflags"]],
+                   check=True, capture_output=True)
+    if isa not in cpu.runnable_bf16_isas() + cpu.runnable_isas():
+        pytest.skip("compiled; this CPU cannot run it")
+    got = np.array(subprocess.run([str(exe)], check=True, capture_output=True, text=True)
+                   .stdout.split(), dtype=np.float64).reshape(33, 24)
+    x = (np.arange(33 * 40) * 7 % 13 - 6.0).reshape(33, 40)
+    w = (np.arange(24 * 40) * 5 % 11 - 5.0).reshape(24, 40)
+    assert np.array_equal(got, x @ w.T)                # small integers: exact in bf16 and fp32
+
+
+def test_bench_gemm_bf16_says_which_path_runs():
+    from autohc.bench.gemm import bench_gemm
+    r = bench_gemm("dit-s", 1, repeats=1, images=1, dtype="bf16")
+    assert r["dtype"] == "bf16" and r["bf16_isa"] == cpu.bf16_isa()[0] and r["bf16_why"]
+    assert len(r["rows"]) == 15 and all(w["dtype"] == "bf16" for w in r["rows"])
+    w = r["rows"][0]
+    assert w["gflops"] > 0 and w["torch_gflops"] > 0 and w["torch_fp32_gflops"] > 0
+    assert w["speedup_vs_fp32"] == pytest.approx(
+        w["gflops"] / max(w["torch_fp32_gflops"], w["numpy_gflops"]), rel=0.01)
