@@ -166,7 +166,8 @@ def test_params_validation():
     with pytest.raises(ParamError, match="needs dtype='bf16'"):
         GemmParams(isa="avx512bf16", vl=16, mr=12, nr=32).validate()
     with pytest.raises(ParamError, match="no skinny path"):
-        GemmParams(isa="avx512bf16", vl=16, mr=12, nr=32, dtype="bf16", skinny_m=16).validate()
+        GemmParams(isa="avx512", vl=16, mr=12, nr=32, dtype="bf16", skinny_m=16).validate()
+    GemmParams(isa="avx512bf16", vl=16, mr=12, nr=32, dtype="bf16", skinny_m=16).validate()
     with pytest.raises(ParamError, match="tiles"):
         GemmParams(isa="amx", vl=16, mr=32, nr=48, dtype="bf16", skinny_m=0, kc=256, nc=4080).validate()
     with pytest.raises(ParamError, match="multiple of 16"):
@@ -323,3 +324,25 @@ def test_bench_gemm_bf16_says_which_path_runs():
     assert w["gflops"] > 0 and w["torch_gflops"] > 0 and w["torch_fp32_gflops"] > 0
     assert w["speedup_vs_fp32"] == pytest.approx(
         w["gflops"] / max(w["torch_fp32_gflops"], w["numpy_gflops"]), rel=0.01)
+
+
+@pytest.mark.parametrize("isa", cpu.runnable_bf16_isas() or ["none"])
+def test_skinny_paths_adaln_shapes(isa):
+    """M = batch (adaLN): the dot path (NT) and the rows path (NN, A's K pairs contiguous),
+    every pair of input types, odd K, ragged N, beta; a TN or strided A takes the packed path."""
+    if isa == "none":
+        pytest.skip("no bf16 back-end here: the widened fallback has no skinny path")
+    rng = random.Random(8)
+    for threads in (1, 2):
+        p = bf16_params(isa, threads, skinny_m=16)
+        for m, k, n in [(8, 1152, 6912 // 8), (1, 1, 1), (3, 37, 50), (16, 33, 17), (5, 2, 100), (13, 95, 49)]:
+            for layout in ("NT", "NN", "TN"):
+                a, b = operands(layout, m, k, n, rng)
+                for fa in (0, 1):
+                    for fb in (0, 1):
+                        A = a if fa else a.to(torch.bfloat16)
+                        B = b if fb else b.to(torch.bfloat16)
+                        c0 = torch.randn(m, n)
+                        out = c0.clone()
+                        autohc.matmul(A, B, out=out, alpha=0.5, beta=-1.5, params=p, compute="bf16")
+                        check_bf16(out, A, B, c0, 0.5, -1.5, f"{isa} t{threads} {layout} {m}x{k}x{n} {fa}{fb}")

@@ -82,8 +82,8 @@ class GemmParams:
         spec = GEMM_ISAS[self.isa]
         if self.isa in BF16_ISAS and self.dtype != "bf16":
             raise ParamError(f"isa={self.isa} computes in bf16: needs dtype='bf16'")
-        if self.dtype == "bf16" and self.skinny_m:
-            raise ParamError("skinny_m: the bf16 kernels have no skinny path; must be 0")
+        if self.dtype == "bf16" and self.skinny_m and self.isa not in BF16_ISAS:
+            raise ParamError(f"skinny_m: bf16 widened to fp32 ({self.isa}) has no skinny path; must be 0")
         if self.vl not in spec.vector_lanes:
             raise ParamError(f"vl={self.vl}: {self.isa} vectors hold {spec.vector_lanes} floats")
         if self.nr % self.vl:
@@ -174,6 +174,6 @@ def default_params(isa: str, threads: int = 1, arch: str | None = None, clusters
         raise ParamError(f"threads={threads!r}: must be an int in [1, {MAX_THREADS}]")
     base = archs.gemm_default(isa, archs.by_name(arch) if arch else None)
     jc, ic, jr = thread_geometry(threads, clusters)
-    if dtype == "bf16":
-        base = {**base, "skinny_m": 0, "dtype": "bf16"}
+    if dtype == "bf16":             # (the widened fallback has no skinny path)
+        base = {**base, "dtype": "bf16", **({} if isa in BF16_ISAS else {"skinny_m": 0})}
     return GemmParams(isa=isa, jc_ways=jc, ic_ways=ic, jr_ways=jr, **base).validate()
