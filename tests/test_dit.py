@@ -326,7 +326,7 @@ def test_cli_bad_data_is_one_line(tmp_path, capsys):
                  "--no-progress"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "none.npy: no such file" in err
-    assert main(["sample", "--ckpt", str(tmp_path / "nothing")]) == 1
+    assert main(["sample", "--ckpt", str(tmp_path / "nothing")]) == 2       # a bad file: exit 2
     assert "no such checkpoint" in capsys.readouterr().err
 
 

@@ -29,6 +29,8 @@ EPILOG = """examples:
   autohc train --data digits --out runs/digits
   autohc sample --ckpt runs/digits --classes 3 5 7 --out grid.png
   autohc eval --ckpt runs/digits
+  autohc encode --data folder:imgs/ --vae stabilityai/sd-vae-ft-ema --image-size 256 --out latents/
+  autohc convert runs/xl pipeline/ --to diffusers
   autohc bench step --model DiT-S/2 --batch 8
   autohc bench ops --json
 """
@@ -250,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--contended", action="store_true", help=argparse.SUPPRESS)
     from .dit import add_parsers
     add_parsers(sub, bsub)
+    from .latents import add_parsers as add_latent_parsers
+    add_latent_parsers(sub)
     return ap
 
 
@@ -306,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
             return bench.cmd_bench_parallel(args)
         if args.command == "bench" and args.what == "scale":
             return bench.cmd_bench_scale(args)
+        if args.command in ("encode", "convert"):
+            from . import latents
+            return (latents.cmd_encode if args.command == "encode" else latents.cmd_convert)(args)
         if args.command in ("train", "sample", "eval") or getattr(args, "what", None) == "step":
             from . import dit as commands
             run = {"train": commands.cmd_train, "sample": commands.cmd_sample,
@@ -316,8 +323,11 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as e:  # noqa: BLE001 - one clear line, not a traceback, for known errors
         from ..build import BuildError
-        from ..dit.data import DataError
+        from ..dit.data import DataError, InputError
         from ..kernels.family import ParamError
+        if isinstance(e, InputError):   # a file or folder that is not what it should be
+            print(f"autohc: {e}", file=sys.stderr)
+            return 2
         from ..kernels.gemm.kernel import KernelError
         if isinstance(e, (BuildError, ParamError, KernelError, DataError)) or (
                 isinstance(e, ValueError) and args.command in ("info", "train", "sample", "eval", "bench", "tune")):

@@ -19,6 +19,10 @@ TRAIN_EPILOG = """examples:
   autohc train --data digits --steps 4000 --out runs/digits --resume   # continue to 4000 steps
   autohc train --model DiT-XL/2 --data npy:latents.npy --batch 8 --lr 1e-4 --out runs/xl
   autohc train --model DiT-S/2 --data folder:imgs/ --image-size 32 --no-autohc --out runs/s
+latent DiT (images -> VAE latents once -> train -> decoded samples), and fine-tuning:
+  autohc encode --data folder:imgs/ --vae stabilityai/sd-vae-ft-ema --image-size 256 --out latents/
+  autohc train --model DiT-XL/2 --data latents:latents/ --batch 8 --lr 1e-4 --out runs/xl
+  autohc train --init DiT-XL-2-256x256.pt --data latents:latents/ --lr 1e-4 --out runs/ft
 data parallel (one rank per socket or die, all its cores; --batch is the global batch):
   torchrun --nproc-per-node 2 -m autohc.cli train --batch 64 --out runs/dp
   mpirun -np 2 --map-by ppr:1:socket:pe=N autohc train --batch 64 --out runs/dp
@@ -28,6 +32,7 @@ data:
   folder:PATH     one subfolder per class with images (--image-size N resizes)
   npy:PATH.npy    N x C x H x W (uint8 images, or float latents), labels in PATH.labels.npy
   synthetic       random data for benchmarks (--image-size, --channels)
+  latents:DIR     latents written by autohc encode (memory-mapped; samples decoded by its VAE)
 writes to --out: ckpt-<step>.pt (atomic; the last --keep kept), losses.csv, losses.png, samples.png"""
 
 
@@ -50,9 +55,15 @@ def add_parsers(sub, bsub) -> None:
                                    "the newest checkpoint in --out, with losses bit-identical to an uninterrupted run.\n"
                                    "Data parallel when started by torchrun, mpirun or srun: --batch is the global batch.",
                        epilog=TRAIN_EPILOG)
-    t.add_argument("--model", default="DiT-Ti/2", choices=list(MODELS), metavar="NAME",
-                   help=f"one of {models} (default: DiT-Ti/2)")
-    t.add_argument("--data", default="digits", help="digits | folder:PATH | npy:PATH | synthetic (default: digits)")
+    t.add_argument("--model", default=None, choices=list(MODELS), metavar="NAME",
+                   help=f"one of {models} (default: DiT-Ti/2, or the size of --init's or --resume's checkpoint)")
+    t.add_argument("--data", default="digits",
+                   help="digits | folder:PATH | npy:PATH | latents:DIR | synthetic (default: digits)")
+    t.add_argument("--init", default=None, metavar="CKPT",
+                   help="fine-tune from these weights: a facebookresearch/DiT state dict (.pt, .safetensors; "
+                        "DiT-XL-2-256x256.pt style, with or without model/ema keys), a diffusers "
+                        "DiTTransformer2DModel or DiTPipeline folder, or an autohc checkpoint; another "
+                        "number of classes re-initialises the label table")
     t.add_argument("--steps", type=positive_int, default=2000, help="train until this step (default: 2000)")
     t.add_argument("--batch", type=positive_int, default=64,
                    help="images per step, all ranks together (default: 64)")
@@ -110,6 +121,8 @@ def add_parsers(sub, bsub) -> None:
     s.add_argument("--seed", type=int, default=0, help="noise seed (default: 0)")
     s.add_argument("--raw", action="store_true", help="the raw model weights instead of the EMA")
     s.add_argument("--no-autohc", action="store_true", help="stock torch kernels")
+    s.add_argument("--vae", default=None, metavar="PATH_OR_ID",
+                   help="a latent model's VAE, if not where the checkpoint says (its folder or hub id)")
     _sampling_args(s, steps_alias=True)
 
     e = sub.add_parser("eval", help="digits quality: class match and Fréchet distance of samples",
@@ -124,6 +137,8 @@ def add_parsers(sub, bsub) -> None:
     e.add_argument("--raw", action="store_true", help="the raw model weights instead of the EMA")
     e.add_argument("--json", action="store_true", help="one JSON object")
     e.add_argument("--no-autohc", action="store_true", help="stock torch kernels")
+    e.add_argument("--vae", default=None, metavar="PATH_OR_ID",
+                   help="a latent model's VAE, if not where the checkpoint says")
     _sampling_args(e, steps_alias=True)
 
     b = bsub.add_parser("step", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -222,9 +237,14 @@ def _train_in_group(args, launch) -> int:
                       rank=launch.rank, world=launch.world,
                       comm="gloo" if args.no_comm_thread else "thread", log_every=args.log_every,
                       automem=args.automem, cftp=args.cftp, automem_state=args.automem_state,
-                      extra={"resume": args.resume})
+                      init=args.init, extra={"resume": args.resume})
+    if cfg.model is None and not (args.init or args.resume):
+        cfg.model = "DiT-Ti/2"
     try:
         trainer = Trainer(cfg)
+    except datalib.InputError as e:
+        print(f"autohc: {e}", file=sys.stderr)
+        return 2
     except (datalib.DataError, ValueError) as e:
         print(f"autohc: {e}", file=sys.stderr)
         return 1
@@ -267,11 +287,12 @@ def _train_in_group(args, launch) -> int:
         classes = list(range(min(10, trainer.data.num_classes)))
         x, _ = _generate(trainer.ema.eval(), trainer.arch, classes, args.samples_per_class, args,
                          progress=not args.no_progress)
-        save_grid(x, len(classes), out / "samples.png")
+        from ..dit.sample import decode_latents
+        save_grid(decode_latents(x, trainer.arch), len(classes), out / "samples.png")
         wrote.append(out / "samples.png")
     summary.update(out=str(out), losses_png=str(out / "losses.png"),
                    samples_png=str(out / "samples.png") if args.samples_per_class else None,
-                   model=args.model, batch=args.batch, autohc=not args.no_autohc,
+                   model=cfg.model, batch=args.batch, autohc=not args.no_autohc,
                    threads=kernel_threads())
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -285,26 +306,31 @@ def _train_in_group(args, launch) -> int:
 
 
 def cmd_sample(args) -> int:
-    from ..dit.sample import load_model, save_grid
+    from ..dit.sample import decode_latents, load_model, save_grid
     model, arch, path = load_model(args.ckpt, ema=not args.raw, fused_ops=_fused_ops(args))
     classes = args.classes if args.classes is not None else list(range(min(10, arch["num_classes"])))
     with _kernels(args):
         x, _ = _generate(model, arch, classes, args.per_class, args, progress=True)
-    save_grid(x, len(classes), args.out)
+    save_grid(decode_latents(x, arch, args.vae), len(classes), args.out)
     print(f"autohc: {len(x)} samples from {path} -> {args.out}")
     return 0
 
 
 def cmd_eval(args) -> int:
     from ..dit.evaluate import evaluate_digits
-    from ..dit.sample import load_model
+    from ..dit.sample import decode_latents, load_model
     model, arch, path = load_model(args.ckpt, ema=not args.raw, fused_ops=_fused_ops(args))
-    if (arch["in_channels"], arch["input_size"], arch["num_classes"]) != (1, 8, 10):
-        raise ValueError(f"{path}: autohc eval checks digits models (1 x 8 x 8, 10 classes); this one is "
-                         f"{arch['in_channels']} x {arch['input_size']} x {arch['input_size']}, "
-                         f"{arch['num_classes']} classes")
+    latent = arch.get("latent")
+    size = latent["image_size"] if latent else arch["input_size"]
+    if (latent is None and arch["in_channels"] != 1) or (size, arch["num_classes"]) != (8, 10):
+        raise ValueError(f"{path}: autohc eval checks digits models (1 x 8 x 8 images, or their latents; "
+                         f"10 classes); this one makes {size} x {size} "
+                         f"{'images through a VAE' if latent else 'images'}, {arch['num_classes']} classes")
     with _kernels(args):
         x, y = _generate(model, arch, list(range(10)), args.per_class, args, progress=not args.json)
+    x = decode_latents(x, arch, args.vae)
+    if tuple(x.shape[1:]) != (1, 8, 8):
+        raise ValueError(f"{path}: the VAE decodes to {tuple(x.shape[1:])}, not 1 x 8 x 8 digits")
     r = evaluate_digits(x, y)
     r.update(ckpt=str(path), sampler=args.sampler, sample_steps=args.sample_steps, cfg=args.cfg)
     if args.json:

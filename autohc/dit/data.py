@@ -7,6 +7,8 @@ or as given (latents), with int64 labels.
     npy:PATH        PATH.npy holds N x C x H x W (uint8 images -> [-1, 1]; float as given,
                     e.g. latents), labels in the sibling PATH-without-.npy + '.labels.npy'
     synthetic       random images and labels (benchmarks); --image-size, --channels
+    latents:DIR     a latent data set written by `autohc encode` (memory-mapped, never read
+                    whole; the VAE and class names come with it)
 
 Batches come from a seeded, per-epoch permutation, sharded by rank (rank::world), so a
 position (epoch, index) is all a checkpoint needs to continue the stream exactly.
@@ -26,6 +28,11 @@ class DataError(ValueError):
     """A data input the trainer cannot use; the message names the file."""
 
 
+class InputError(ValueError):
+    """A file or folder given on the command line that is not what it should be (a VAE, a
+    checkpoint, a latent data set): one line naming it, exit code 2, nothing written."""
+
+
 @dataclass
 class Dataset:
     x: torch.Tensor             # (N, C, H, W) float32
@@ -33,6 +40,7 @@ class Dataset:
     num_classes: int
     name: str
     images: bool = True         # values in [-1, 1] (clip when sampling)
+    latent: dict | None = None  # latents of a VAE: its spec, scaling factor, image size, class names
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -50,7 +58,9 @@ def load(spec: str, *, image_size: int | None = None, channels: int = 3, num: in
         return folder(Path(arg), image_size)
     if kind == "npy" and arg:
         return npy(Path(arg))
-    raise DataError(f"--data {spec!r}: expected digits, synthetic, folder:PATH or npy:PATH")
+    if kind == "latents" and arg:
+        return latents(Path(arg))
+    raise DataError(f"--data {spec!r}: expected digits, synthetic, folder:PATH, npy:PATH or latents:DIR")
 
 
 def digits() -> Dataset:
@@ -67,8 +77,8 @@ def synthetic(size: int, channels: int, num: int, num_classes: int, seed: int) -
     return Dataset(x, y, num_classes, "synthetic")
 
 
-def folder(root: Path, image_size: int | None) -> Dataset:
-    from PIL import Image, UnidentifiedImageError
+def class_files(root: Path) -> tuple[list[str], list[tuple[Path, int]]]:
+    """(class names, [(image file, label)]) of a folder with one subfolder per class, sorted."""
     if not root.is_dir():
         raise DataError(f"{root}: not a directory (folder:PATH wants one subfolder per class)")
     classes = sorted(p for p in root.iterdir() if p.is_dir())
@@ -78,6 +88,12 @@ def folder(root: Path, image_size: int | None) -> Dataset:
              if f.suffix.lower() in IMAGE_SUFFIXES]
     if not files:
         raise DataError(f"{root}: no images in its class subfolders")
+    return [c.name for c in classes], files
+
+
+def folder(root: Path, image_size: int | None) -> Dataset:
+    from PIL import Image, UnidentifiedImageError
+    classes, files = class_files(root)
     xs, ys, mode, size = [], [], None, None
     for f, label in files:
         try:
@@ -133,6 +149,24 @@ def npy(path: Path) -> Dataset:
         raise DataError(f"{path}: holds NaN or Inf")
     y = torch.from_numpy(lab.astype(np.int64))
     return Dataset(x, y, int(y.max()) + 1, f"npy:{path}", images)
+
+
+def latents(folder: Path) -> Dataset:
+    """An `autohc encode` folder: latents memory-mapped copy-on-write (pages read as batches
+    need them), labels, and what sampling needs to decode them."""
+    from .encode import read_meta
+    meta = read_meta(folder)
+    try:
+        x = np.load(folder / "latents.npy", mmap_mode="c")
+        y = np.load(folder / "labels.npy", allow_pickle=False)
+    except (ValueError, OSError) as e:
+        raise InputError(f"latents:{folder}: unreadable latents.npy or labels.npy ({e})") from None
+    if x.dtype != np.float32 or list(x.shape) != meta["shape"] or y.shape != (x.shape[0],):
+        raise InputError(f"latents:{folder}: latents {x.dtype} {x.shape} / labels {y.shape} do not "
+                         f"match meta.json's shape {meta['shape']}")
+    latent = {k: meta[k] for k in ("vae", "scaling_factor", "image_size", "classes")}
+    return Dataset(torch.from_numpy(x), torch.from_numpy(y.astype(np.int64)), len(meta["classes"]),
+                   f"latents:{folder.resolve()}", images=False, latent=latent)
 
 
 class Batches:

@@ -7,7 +7,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import checkpoint
 from .diffusion import GaussianDiffusion
 from .train import build_model
 
@@ -15,10 +14,11 @@ from .train import build_model
 def load_model(ckpt: str | Path, *, ema: bool = True, fused_ops=None):
     """(model in eval mode, arch dict, checkpoint path) from a file or a run folder; its blocks
     on `fused_ops` (autohc.ops) if given."""
-    path, state = checkpoint.resolve(ckpt)
-    model = build_model(state["arch"], fused_ops)
-    model.load_state_dict(state["ema" if ema else "model"])
-    return model.eval(), state["arch"], path
+    from .convert import read
+    w = read(ckpt)                  # autohc, facebookresearch/DiT or diffusers
+    model = build_model(w.arch, fused_ops)
+    model.load_state_dict(w.best if ema else w.model)
+    return model.eval(), w.arch, Path(w.source)
 
 
 @torch.no_grad()
@@ -52,6 +52,25 @@ def generate(model, arch: dict, classes: list[int], *, per_class: int = 8, sampl
     else:
         x = diffusion.sample(eps_fn, shape, sampler=sampler, steps=steps, generator=g, clip=arch["images"])
     return x, y
+
+
+def decode_latents(x: torch.Tensor, arch: dict, vae_spec: str | None = None) -> torch.Tensor:
+    """Images in [-1, 1] from a latent model's samples, through the VAE it was trained with
+    (or vae_spec); a pixel-space model's samples as they are."""
+    from . import vae as vaelib
+    latent = arch.get("latent")
+    if not latent and vae_spec:         # e.g. a facebookresearch/DiT state dict: it names no VAE
+        latent = {"vae": vae_spec, "scaling_factor": None}
+    if not latent:
+        return x
+    try:
+        vae = vaelib.load(vae_spec or latent["vae"])
+    except vaelib.VaeError as e:
+        if vae_spec:
+            raise
+        raise vaelib.VaeError(f"{e}; the model was trained on that VAE's latents: pass --vae PATH_OR_ID") from None
+    scale = latent["scaling_factor"] or vaelib.scaling_factor(vae)
+    return torch.cat([vaelib.decode(vae, part, scale) for part in x.split(16)])
 
 
 def to_uint8(x: torch.Tensor) -> np.ndarray:

@@ -59,6 +59,7 @@ class TrainConfig:
     automem: str | None = None          # AutoMem tier for saved activations: file, file:DIR, bf16
     cftp: int | None = None             # CFTP thread clusters (0: one per NUMA node); None: off
     automem_state: bool = False         # AutoMem also for the optimizer state, between steps
+    init: str | None = None             # start from these weights (autohc, facebookresearch/DiT, diffusers)
     extra: dict = field(default_factory=dict)
 
 
@@ -114,10 +115,18 @@ class Trainer:
             print(f"autohc: no checkpoint in {self.out}; starting from step 0", file=sys.stderr)
         self.data = dataset or datalib.load(cfg.data, image_size=cfg.image_size,
                                             channels=cfg.channels, seed=cfg.seed)
+        init = self._read_init(cfg, resumed)
+        if cfg.model is None:           # --init or --resume without --model: theirs
+            cfg.model = init.arch["model"] if init else resumed[1]["arch"]["model"] if resumed else "DiT-S/2"
         C, H, _ = self.data.shape
         self.arch = {"model": cfg.model, "input_size": H, "in_channels": C,
                      "num_classes": self.data.num_classes, "class_dropout": cfg.class_dropout,
-                     "learn_sigma": cfg.learn_sigma, "images": self.data.images, "data": self.data.name}
+                     "learn_sigma": init.arch["learn_sigma"] if init else cfg.learn_sigma,
+                     "images": self.data.images, "data": self.data.name}
+        if self.data.latent is not None:
+            self.arch["latent"] = self.data.latent
+        if init:
+            self._check_init(init)
         if resumed:
             old = resumed[1]["arch"]
             diff = {k: (old.get(k), v) for k, v in self.arch.items() if old.get(k) != v}
@@ -126,7 +135,10 @@ class Trainer:
                                  + ", ".join(f"{k} {a!r} (now {b!r})" for k, (a, b) in diff.items()))
         torch.manual_seed(cfg.seed)
         self.model = build_model(self.arch, autohc_ops(cfg.autohc))
+        ema_weights = self._load_init(init) if init else None
         self.ema = copy.deepcopy(self.model).requires_grad_(False).eval()
+        if ema_weights is not None:
+            self.ema.load_state_dict(ema_weights)
         self.opt = make_optimizer([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
                                   weight_decay=cfg.weight_decay, use_autohc=cfg.autohc)
         self.diffusion = GaussianDiffusion()
@@ -156,6 +168,51 @@ class Trainer:
             self._cftp(cfg.cftp)
         if cfg.world > 1:
             self._data_parallel()
+
+    # ------------------------------------------------------------------ --init
+    def _read_init(self, cfg: TrainConfig, resumed):
+        if not cfg.init:
+            return None
+        if resumed:
+            print(f"autohc: resuming {self.out}; --init {cfg.init} is not read again", file=sys.stderr)
+            return None
+        from . import convert
+        init = convert.read(cfg.init)
+        if cfg.model is not None and cfg.model != init.arch["model"]:
+            raise convert.CheckpointError(f"--init {cfg.init}: a {init.arch['model']} checkpoint, "
+                                          f"not the --model {cfg.model} asked for")
+        return init
+
+    def _check_init(self, init) -> None:
+        from . import convert
+        a, b = init.arch, self.arch
+        if (a["in_channels"], a["input_size"]) != (b["in_channels"], b["input_size"]):
+            raise convert.CheckpointError(
+                f"--init {self.cfg.init}: a {a['model']} for {a['in_channels']} x {a['input_size']} x "
+                f"{a['input_size']} inputs; the data is {b['in_channels']} x {b['input_size']} x {b['input_size']}")
+        convert.warn(init.notes)
+
+    def _load_init(self, init) -> dict:
+        """The init's weights into the model (its label table re-initialised when the data has
+        other classes); returns the EMA's weights to start from."""
+        from . import convert
+        table = "y_embedder.embedding_table.weight"
+        fresh = self.model.state_dict()[table]
+        sds = [dict(init.model), dict(init.best)]
+        if sds[0][table].shape != fresh.shape:
+            print(f"autohc: --init {self.cfg.init}: {init.arch['num_classes']} classes there, "
+                  f"{self.arch['num_classes']} in the data: the label table is re-initialised", file=sys.stderr)
+            for sd in sds:
+                sd[table] = fresh.clone()
+        want = {k: v.shape for k, v in self.model.state_dict().items()}
+        for what, sd in zip(("model", "EMA"), sds):
+            bad = sorted(set(want) ^ set(sd)) or [k for k in want if sd[k].shape != want[k]]
+            if bad:
+                raise convert.CheckpointError(f"--init {self.cfg.init}: its {what} weights do not fit "
+                                              f"{self.arch['model']} (first mismatch: {bad[0]})")
+        self.model.load_state_dict(sds[0], strict=True)
+        print(f"autohc: starting from {init.source} ({init.arch['model']}, step {init.step})", file=sys.stderr)
+        return sds[1]
 
     def _cftp(self, clusters: int) -> None:
         """Every GEMM's N split across the thread clusters; weights (and, after the first step,

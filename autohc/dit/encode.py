@@ -1,0 +1,198 @@
+"""`autohc encode`: a folder of class images -> a latent data set, once, as fast-DiT's
+extract_features.py does, read back by `--data latents:DIR`.
+
+DIR holds
+    latents.npy   float32 (N, C, h, w), scaled latents (what the DiT trains on), filled in
+                  order and memory-mapped: the data set is never in memory, here or in training
+    labels.npy    int64 (N,)
+    meta.json     format, class names, the VAE, its scaling factor, image size, flip, seed, a
+                  fingerprint of the inputs, and `done`: the rows written so far
+
+Images are center-cropped and resized as the reference (ADM's center_crop_arr: halve with a
+box filter while the short side is >= twice the size, bicubic to the size, crop the middle);
+`--flip` adds a horizontally flipped copy of every image (rows n..2n-1). Each image's
+posterior draw has its own seed (vae.encode), so a run that was stopped and started again
+(`done` rows kept) gives the same file as one that was not.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from . import vae as vaelib
+from .data import DataError, InputError, class_files
+
+FORMAT = "autohc-latents-1"
+
+
+def center_crop(im, size: int):
+    """A PIL image cropped to its centered size x size square, resized as the reference does."""
+    from PIL import Image
+    while min(im.size) >= 2 * size:
+        im = im.resize(tuple(x // 2 for x in im.size), resample=Image.BOX)
+    scale = size / min(im.size)
+    im = im.resize(tuple(round(x * scale) for x in im.size), resample=Image.BICUBIC)
+    left, top = (im.size[0] - size) // 2, (im.size[1] - size) // 2
+    return im.crop((left, top, left + size, top + size))
+
+
+def _scan(files: list[tuple[Path, int]], image_size: int | None, factor: int) -> int:
+    """The side every image will have; reads headers only. Mixed or non-square sizes need
+    --image-size; the side must be a multiple of the VAE's downsampling."""
+    from PIL import Image, UnidentifiedImageError
+    sizes = {}
+    for f, _ in files:
+        try:
+            with Image.open(f) as im:
+                sizes.setdefault(im.size, f)
+        except (UnidentifiedImageError, OSError) as e:
+            raise InputError(f"{f}: not a readable image ({type(e).__name__})") from None
+    if image_size is None:
+        if len(sizes) > 1 or any(w != h for w, h in sizes):
+            (a, fa), (b, fb) = (list(sizes.items()) * 2)[:2]
+            what = f"{fa} is {a[0]}x{a[1]}, {fb} is {b[0]}x{b[1]}" if len(sizes) > 1 else f"{fa} is {a[0]}x{a[1]}"
+            raise InputError(f"images of mixed or non-square sizes ({what}): pass --image-size N "
+                             "to center-crop and resize them")
+        image_size = next(iter(sizes))[0]
+    if image_size % factor:
+        raise InputError(f"image size {image_size} is not a multiple of the VAE's downsampling "
+                         f"factor {factor}: pass --image-size N with N a multiple of {factor}")
+    return image_size
+
+
+def _fingerprint(files: list[tuple[Path, int]]) -> str:
+    h = hashlib.sha256()
+    for f, label in files:
+        st = f.stat()
+        h.update(f"{f}\0{label}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def _vae_ref(spec: str) -> str:
+    """What the data set records of --vae: an absolute folder, or the hub id as given."""
+    p = Path(spec)
+    return str(p.resolve()) if p.exists() else spec
+
+
+def encode_folder(root: str | Path, vae_spec: str, out: str | Path, *, image_size: int | None = None,
+                  flip: bool = False, batch: int = 16, seed: int = 0,
+                  log: Callable[[str], None] | None = None, progress: bool = True) -> dict:
+    """Encode root's class images into out (resuming a stopped run there); a summary."""
+    root, out = Path(root), Path(out)
+    if batch < 1:
+        raise InputError(f"--batch must be >= 1, got {batch}")
+    try:
+        classes, files = class_files(root)
+    except DataError as e:
+        raise InputError(str(e)) from None
+    vae = vaelib.load(vae_spec)
+    factor = vaelib.downsampling(vae)
+    size = _scan(files, image_size, factor)
+    mode = "RGB" if vae.config.in_channels == 3 else "L" if vae.config.in_channels == 1 else None
+    if mode is None:
+        raise InputError(f"--vae {vae_spec}: {vae.config.in_channels} input channels; encode takes "
+                         "1 (grey) or 3 (RGB)")
+    n = len(files)
+    rows = 2 * n if flip else n
+    shape = (rows, vae.config.latent_channels, size // factor, size // factor)
+    settings = {"format": FORMAT, "classes": classes, "vae": _vae_ref(vae_spec),
+                "scaling_factor": vaelib.scaling_factor(vae), "image_size": size, "flip": flip,
+                "seed": seed, "shape": list(shape), "inputs": _fingerprint(files), "source": str(root.resolve())}
+    meta_path = out / "meta.json"
+    done = 0
+    if meta_path.is_file():
+        old = json.loads(meta_path.read_text())
+        diff = [k for k in settings if old.get(k) != settings[k]]
+        if diff:
+            raise InputError(f"{out} holds latents of another encode (differs in {', '.join(diff)}): "
+                             "pass another --out")
+        done = int(old.get("done", 0))
+        latents = np.load(out / "latents.npy", mmap_mode="r+")
+    else:
+        if out.exists() and any(out.iterdir()):
+            raise InputError(f"{out}: exists and is not an encode's folder: pass a new or empty --out")
+        out.mkdir(parents=True, exist_ok=True)
+        labels = np.array([label for _, label in files] * (2 if flip else 1), dtype=np.int64)
+        np.save(out / ".labels.npy.tmp.npy", labels)
+        os.replace(out / ".labels.npy.tmp.npy", out / "labels.npy")
+        latents = np.lib.format.open_memmap(out / "latents.npy", mode="w+", dtype=np.float32, shape=shape)
+        _write_json(meta_path, {**settings, "done": 0, "complete": False})
+    if done >= n:
+        return {**settings, "done": n, "images": rows, "new_images": 0, "seconds": 0.0,
+                "images_per_s": 0.0, "out": str(out)}
+    if done and log:
+        log(f"autohc encode: resuming {out} at image {done} of {n}")
+    t0, new = time.perf_counter(), 0
+    tty = sys.stderr.isatty()
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    with Progress(TextColumn("encode"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  TextColumn("{task.fields[rate]}"), disable=not (progress and tty),
+                  console=Console(stderr=True)) as bar:
+        task = bar.add_task("encode", total=n, completed=done, rate="")
+        for start in range(done, n, batch):
+            part = files[start:start + batch]
+            x = _load_batch(part, size, mode)
+            idx = list(range(start, start + len(part)))
+            latents[start:start + len(part)] = vaelib.encode(vae, x, [seed * 1_000_003 + i for i in idx]).numpy()
+            if flip:
+                latents[n + start:n + start + len(part)] = vaelib.encode(
+                    vae, x.flip(-1), [seed * 1_000_003 + n + i for i in idx]).numpy()
+            latents.flush()             # the rows reach the file before `done` says so
+            done, new = start + len(part), new + len(part) * (2 if flip else 1)
+            _write_json(meta_path, {**settings, "done": done, "complete": done == n})
+            rate = new / (time.perf_counter() - t0)
+            bar.update(task, completed=done, rate=f"{rate:.1f} images/s")
+            if log and not tty and progress and (done == n or (done // batch) % 10 == 0):
+                log(f"autohc encode: {done}/{n} images · {rate:.1f} images/s")
+    dt = time.perf_counter() - t0
+    return {**settings, "done": done, "images": rows, "new_images": new, "seconds": dt,
+            "images_per_s": new / dt if dt else 0.0, "out": str(out)}
+
+
+def _load_batch(part: list[tuple[Path, int]], size: int, mode: str) -> torch.Tensor:
+    from PIL import Image, UnidentifiedImageError
+    arrays = []
+    for f, _ in part:
+        try:
+            with Image.open(f) as im:
+                im = center_crop(im.convert(mode), size) if im.size != (size, size) else im.convert(mode)
+                a = np.asarray(im, dtype=np.uint8)
+        except (UnidentifiedImageError, OSError) as e:
+            raise InputError(f"{f}: not a readable image ({type(e).__name__}); fix or remove it "
+                             "and run the same command again (it resumes)") from None
+        arrays.append(a[None] if a.ndim == 2 else a.transpose(2, 0, 1))
+    return torch.from_numpy(np.stack(arrays)).float() / 127.5 - 1.0
+
+
+def read_meta(folder: Path) -> dict:
+    """meta.json of a finished encode, or one clear error."""
+    meta_path = folder / "meta.json"
+    if not folder.is_dir():
+        raise InputError(f"latents:{folder}: no such folder (autohc encode writes one)")
+    if not meta_path.is_file():
+        raise InputError(f"latents:{folder}: no meta.json: not a folder written by autohc encode")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (ValueError, OSError) as e:
+        raise InputError(f"{meta_path}: unreadable ({type(e).__name__})") from None
+    if meta.get("format") != FORMAT:
+        raise InputError(f"{meta_path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    if not meta.get("complete"):
+        raise InputError(f"latents:{folder}: the encode stopped at image {meta.get('done', 0)}: run the "
+                         "same autohc encode command again to finish it")
+    return meta

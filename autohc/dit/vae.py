@@ -1,0 +1,74 @@
+"""The image autoencoder of a latent DiT: diffusers' `AutoencoderKL`, as facebookresearch/DiT
+and fast-DiT use it (`stabilityai/sd-vae-ft-ema` or `-mse`, latents scaled by the VAE's
+`scaling_factor`, 0.18215 for those).
+
+`load(spec)` takes what a user passes to `--vae`: a local folder written by `save_pretrained`
+(or a pipeline folder with a `vae/` inside) or a hub id, loaded as diffusers loads it (no
+download here when the machine has no network: the hub id must then be in the local cache).
+diffusers is the optional extra `pip install -e '.[latent]'`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .data import InputError
+
+
+class VaeError(InputError):
+    """--vae names no loadable AutoencoderKL."""
+
+
+def _diffusers():
+    try:
+        import diffusers
+    except ImportError:
+        raise InputError("latent DiTs need diffusers: pip install -e '.[latent]' "
+                         "(or pip install diffusers safetensors)") from None
+    diffusers.utils.logging.set_verbosity_error()      # no "install accelerate" notes per load
+    return diffusers
+
+
+def load(spec: str | Path) -> "torch.nn.Module":
+    """The AutoencoderKL at `spec` (folder or hub id), in eval mode, fp32."""
+    diffusers = _diffusers()
+    spec = str(spec)
+    p = Path(spec)
+    kw = {}
+    if p.is_dir() and not (p / "config.json").is_file() and (p / "vae" / "config.json").is_file():
+        kw["subfolder"] = "vae"         # a whole pipeline folder (DiTPipeline.save_pretrained)
+    elif p.exists() and not (p / "config.json").is_file():
+        raise VaeError(f"--vae {spec}: not a diffusers AutoencoderKL folder (no config.json)")
+    try:
+        vae = diffusers.AutoencoderKL.from_pretrained(spec, **kw)
+    except Exception as e:  # noqa: BLE001 - diffusers/huggingface_hub raise many types
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise VaeError(f"--vae {spec}: not a loadable AutoencoderKL ({type(e).__name__}: {first[:200]})") from None
+    return vae.float().eval().requires_grad_(False)
+
+
+def scaling_factor(vae) -> float:
+    return float(getattr(vae.config, "scaling_factor", 0.18215) or 0.18215)
+
+
+def downsampling(vae) -> int:
+    """Image pixels per latent pixel (8 for the Stable Diffusion VAEs)."""
+    return 2 ** (len(vae.config.block_out_channels) - 1)
+
+
+@torch.no_grad()
+def encode(vae, images: torch.Tensor, noise_seeds: list[int]) -> torch.Tensor:
+    """Scaled latents of images (B, C, H, W) in [-1, 1]: a draw from the posterior, as the
+    reference's `latent_dist.sample() * 0.18215`, each image's draw from its own seed, so the
+    result does not depend on the batch it came in (and an encode that resumes is the same)."""
+    dist = vae.encode(images).latent_dist
+    noise = torch.stack([torch.randn(dist.mean.shape[1:], generator=torch.Generator().manual_seed(s))
+                         for s in noise_seeds])
+    return (dist.mean + dist.std * noise) * scaling_factor(vae)
+
+
+@torch.no_grad()
+def decode(vae, latents: torch.Tensor, scale: float) -> torch.Tensor:
+    """Images in [-1, 1] from scaled latents."""
+    return vae.decode(latents / scale).sample.clamp(-1, 1)

@@ -1,0 +1,329 @@
+"""A DiT user's workflow: images -> VAE latents (autohc encode) -> train / fine-tune (--init)
+-> samples decoded by the VAE; checkpoints converted between autohc, facebookresearch/DiT and
+diffusers; bad inputs are one line and exit 2. A tiny random-weight diffusers AutoencoderKL and
+generated class images stand in for sd-vae-ft-ema and ImageNet (no downloads)."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers", reason="the latent workflow needs diffusers: pip install -e '.[latent]'")
+
+from autohc.cli import main                                     # noqa: E402
+from autohc.dit import convert, encode                          # noqa: E402
+from autohc.dit import data as datalib                          # noqa: E402
+from autohc.dit import vae as vaelib                            # noqa: E402
+from autohc.dit.model import DiT                                # noqa: E402
+from autohc.dit.train import TrainConfig, Trainer, build_model  # noqa: E402
+
+CLASSES = ["bar", "circle", "square"]
+
+
+def _images(root, sizes):
+    """Class folders of generated RGB images (a bright stripe whose row and colour is the class)."""
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    for k, name in enumerate(CLASSES):
+        (root / name).mkdir(parents=True)
+        for i, (h, w) in enumerate(sizes):
+            a = (rng.random((h, w, 3)) * 60).astype(np.uint8)
+            a[h // 5 + k * 3:h // 5 + k * 3 + 3, 2:w - 2, k] = 250
+            Image.fromarray(a).save(root / name / f"{i}.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A tiny VAE (16 px -> 4 x 8 x 8), 16 px class images, their latents and a short latent run."""
+    root = tmp_path_factory.mktemp("latent")
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+                                  up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16),
+                                  layers_per_block=1, latent_channels=4, norm_num_groups=8, sample_size=16)
+    vae.save_pretrained(root / "vae")
+    imgs = _images(root / "imgs", [(16, 16)] * 5)
+    lat = root / "lat"
+    assert main(["encode", "--data", f"folder:{imgs}", "--vae", str(root / "vae"), "--out", str(lat),
+                 "--batch", "4", "--no-progress"]) == 0
+    run = root / "run"
+    assert main(["train", "--model", "DiT-Ti/2", "--data", f"latents:{lat}", "--steps", "3", "--batch", "6",
+                 "--out", str(run), "--no-progress", "--samples-per-class", "1", "--sample-steps", "2"]) == 0
+    return {"root": root, "vae": root / "vae", "imgs": imgs, "lat": lat, "run": run}
+
+
+def _mapped_from(address):
+    """The file whose mapping holds this address (Linux /proc/self/maps), or None."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            lo, hi = (int(v, 16) for v in parts[0].split("-"))
+            if lo <= address < hi:
+                return parts[5] if len(parts) > 5 else None
+    return None
+
+
+def _randomised(m):
+    """Every weight random (adaLN-Zero starts blocks as the identity: a weak test otherwise)."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return m
+
+
+# ------------------------------------------------------------------------------ encode
+
+def test_encode_writes_the_vaes_scaled_latents_in_class_order(world):
+    meta = json.loads((world["lat"] / "meta.json").read_text())
+    assert meta["complete"] and meta["classes"] == CLASSES and meta["image_size"] == 16
+    assert meta["scaling_factor"] == pytest.approx(0.18215) and meta["vae"] == str(world["vae"].resolve())
+    ds = datalib.load(f"latents:{world['lat']}")
+    assert ds.shape == (4, 8, 8) and len(ds.y) == 15 and ds.num_classes == 3 and not ds.images
+    assert ds.y.tolist() == [0] * 5 + [1] * 5 + [2] * 5
+    assert _mapped_from(ds.x.data_ptr()) == str((world["lat"] / "latents.npy").resolve())   # not read in
+    # the same numbers as the VAE called directly on those images, with the same draws
+    vae = vaelib.load(world["vae"])
+    from PIL import Image
+    x = torch.stack([torch.from_numpy(np.asarray(Image.open(world["imgs"] / c / f"{i}.png").convert("RGB"),
+                                                 dtype=np.float32)).permute(2, 0, 1) / 127.5 - 1
+                     for c in CLASSES for i in range(5)])
+    want = vaelib.encode(vae, x, list(range(15)))
+    torch.testing.assert_close(ds.x, want, atol=1e-5, rtol=1e-5)
+    direct = vae.encode(x).latent_dist
+    assert float((ds.x / 0.18215 - direct.mean).abs().max()) < 6 * float(direct.std.max())
+
+
+def test_encode_crops_flips_and_resumes_to_the_same_file(world, tmp_path, monkeypatch):
+    imgs = _images(tmp_path / "imgs", [(20, 24), (30, 18), (16, 16)])     # mixed: --image-size crops
+    args = dict(image_size=16, flip=True, batch=2, seed=3)
+    whole = encode.encode_folder(imgs, str(world["vae"]), tmp_path / "whole", **args, progress=False)
+    assert whole["images"] == 18 and whole["new_images"] == 18 and whole["images_per_s"] > 0
+    real = encode._load_batch
+    calls = []
+
+    def stop_after_two(part, size, mode):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(part, size, mode)
+    monkeypatch.setattr(encode, "_load_batch", stop_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        encode.encode_folder(imgs, str(world["vae"]), tmp_path / "part", **args, progress=False)
+    meta = json.loads((tmp_path / "part" / "meta.json").read_text())
+    assert meta["done"] == 4 and not meta["complete"]
+    with pytest.raises(datalib.InputError, match="stopped at image 4"):
+        datalib.load(f"latents:{tmp_path / 'part'}")
+    monkeypatch.setattr(encode, "_load_batch", real)
+    again = encode.encode_folder(imgs, str(world["vae"]), tmp_path / "part", **args, progress=False)
+    assert again["new_images"] == 10                       # 5 images left, and their flips
+    a, b = (np.load(tmp_path / d / "latents.npy") for d in ("whole", "part"))
+    assert np.array_equal(a, b)
+    # rows n.. are the flipped images' latents
+    vae = vaelib.load(world["vae"])
+    x = encode._load_batch([(imgs / "bar" / "0.png", 0)], 16, "RGB")
+    torch.testing.assert_close(torch.from_numpy(a[9:10]), vaelib.encode(vae, x.flip(-1), [3 * 1_000_003 + 9]),
+                               atol=1e-5, rtol=1e-5)
+    assert encode.encode_folder(imgs, str(world["vae"]), tmp_path / "part", **args,
+                                progress=False)["new_images"] == 0
+
+
+# ---------------------------------------------------------------- train and sample on latents
+
+def test_latent_run_records_its_vae_and_samples_decode_to_images(world, tmp_path, capsys):
+    from PIL import Image
+    state = torch.load(world["run"] / "ckpt-00000003.pt", weights_only=True)
+    assert state["arch"]["latent"]["vae"] == str(world["vae"].resolve())
+    assert state["arch"]["latent"]["classes"] == CLASSES and state["arch"]["images"] is False
+    cell = 2 + 16 * 4                                       # save_grid scales 16 px images x4
+    assert Image.open(world["run"] / "samples.png").size == (cell + 2, 3 * cell + 2)
+    out = tmp_path / "s.png"
+    assert main(["sample", "--ckpt", str(world["run"]), "--classes", "0", "2", "--per-class", "2",
+                 "--steps", "2", "--out", str(out)]) == 0
+    im = Image.open(out)
+    assert im.size == (2 * cell + 2, 2 * cell + 2) and im.mode == "RGB"
+    # the VAE moved away: sampling says so in one line, and --vae points at it
+    moved = tmp_path / "vae-moved"
+    shutil.copytree(world["vae"], moved)
+    ckpt = tmp_path / "c.pt"
+    state["arch"]["latent"]["vae"] = str(tmp_path / "gone")
+    torch.save(state, ckpt)
+    capsys.readouterr()
+    assert main(["sample", "--ckpt", str(ckpt), "--per-class", "1", "--steps", "1", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "pass --vae" in err
+    assert main(["sample", "--ckpt", str(ckpt), "--per-class", "1", "--steps", "1", "--out", str(out),
+                 "--vae", str(moved)]) == 0
+
+
+# -------------------------------------------------------------------------- conversions
+
+def _tiny_arch(**kw):
+    a = {"model": "DiT-Ti/2", "input_size": 8, "in_channels": 4, "num_classes": 3, "class_dropout": 0.1,
+         "learn_sigma": True, "images": False, "data": "test"}
+    a.update(kw)
+    return a
+
+
+def _outputs(model):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 4, 8, 8, generator=g)
+    with torch.no_grad():
+        return model.eval()(x, torch.tensor([0, 417, 999]), torch.tensor([0, 2, 3]))
+
+
+@pytest.mark.parametrize("fmt,name", [("dit", "w.pt"), ("dit", "w.safetensors"), ("diffusers", "w-diffusers")])
+def test_round_trips_give_identical_outputs(tmp_path, fmt, name):
+    torch.manual_seed(0)
+    m = _randomised(build_model(_tiny_arch()))
+    src = convert.write(convert.Weights(arch=_tiny_arch(), model=m.state_dict(), source="test"),
+                        "autohc", tmp_path / "a.pt")
+    assert main(["convert", str(src), str(tmp_path / name), "--to", fmt]) == 0
+    assert main(["convert", str(tmp_path / name), str(tmp_path / "back.pt"), "--to", "autohc"]) == 0
+    w = convert.read(tmp_path / "back.pt")
+    assert w.arch["model"] == "DiT-Ti/2" and w.arch["num_classes"] == 3 and w.arch["learn_sigma"]
+    back = build_model(w.arch)
+    back.load_state_dict(w.best)
+    assert float((_outputs(back) - _outputs(m)).abs().max()) <= 1e-6
+    for k, v in m.state_dict().items():
+        assert torch.equal(w.best[k], v), k
+
+
+def test_reference_training_checkpoint_with_args_and_ema_loads(tmp_path):
+    """facebookresearch/DiT's train.py saves {"model", "ema", "opt", "args": Namespace}."""
+    import argparse
+    m = _randomised(build_model(_tiny_arch()))
+    ema = {k: v + 1 for k, v in m.state_dict().items()}
+    torch.save({"model": m.state_dict(), "ema": ema, "opt": {"state": {}, "param_groups": []},
+                "args": argparse.Namespace(model="DiT-Ti/2", image_size=64)}, tmp_path / "0001000.pt")
+    w = convert.read(tmp_path / "0001000.pt")
+    assert torch.equal(w.model["pos_embed"], m.state_dict()["pos_embed"])
+    assert torch.equal(w.best["final_layer.linear.bias"], ema["final_layer.linear.bias"])
+
+
+def test_diffusers_model_and_pipeline_against_autohc(world, tmp_path):
+    """The converted DiTTransformer2DModel computes what autohc's model computes except for one
+    difference of diffusers' DiT: its timestep embedding's frequencies are 10000^(-i/127)
+    (Timesteps(downscale_freq_shift=1)) where the reference's are 10000^(-i/128). With that
+    set to the reference's, a DiTPipeline (DDPM, 1000 steps, no guidance) draws the image
+    `autohc sample --sampler ddpm` draws from the same seed."""
+    from autohc.dit.sample import decode_latents, generate, load_model
+    out = tmp_path / "pipe"
+    assert main(["convert", str(world["run"]), str(out), "--to", "diffusers"]) == 0
+    pipe = diffusers.DiTPipeline.from_pretrained(str(out))
+    model, arch, _ = load_model(world["run"])
+    x, t, y = torch.randn(2, 4, 8, 8), torch.tensor([3, 700]), torch.tensor([1, 2])
+    with torch.no_grad():
+        ours = model(x, t, y)
+        theirs = pipe.transformer(x, timestep=t, class_labels=y).sample
+        assert float((ours - theirs).abs().max()) > 1e-4           # the frequency difference
+        for block in pipe.transformer.transformer_blocks:
+            block.norm1.emb.time_proj.downscale_freq_shift = 0
+        theirs = pipe.transformer(x, timestep=t, class_labels=y).sample
+    assert float((ours - theirs).abs().max()) <= 1e-5
+    torch.manual_seed(11)
+    img = pipe(class_labels=[0, 2], guidance_scale=1.0, num_inference_steps=1000, output_type="pt").images
+    lat, _ = generate(model, arch, [0, 2], per_class=1, sampler="ddpm", cfg=1.0, seed=11)
+    mine = (decode_latents(lat, arch) / 2 + 0.5).clamp(0, 1)
+    assert img.shape == mine.shape == (2, 3, 16, 16)
+    assert float((img - mine).abs().max()) <= 1e-4, float((img - mine).abs().max())   # 4e-6 seen
+
+
+# ------------------------------------------------------------------------- fine-tuning
+
+def test_init_from_a_reference_state_dict_reinitialises_other_classes(world, tmp_path, capsys):
+    ref = tmp_path / "DiT-Ti-2.pt"
+    assert main(["convert", str(world["run"]), str(ref), "--to", "dit"]) == 0
+    sub = tmp_path / "two"
+    for c in CLASSES[:2]:
+        shutil.copytree(world["imgs"] / c, tmp_path / "imgs2" / c)
+    assert main(["encode", "--data", f"folder:{tmp_path / 'imgs2'}", "--vae", str(world["vae"]),
+                 "--out", str(sub), "--no-progress"]) == 0
+    capsys.readouterr()
+    cfg = TrainConfig(model=None, data=f"latents:{sub}", steps=2, batch=4, out=str(tmp_path / "ft"),
+                      autohc=False, init=str(ref))
+    tr = Trainer(cfg)
+    err = capsys.readouterr().err
+    assert "label table is re-initialised" in err and "3 classes there, 2 in the data" in err
+    assert cfg.model == "DiT-Ti/2" and tr.arch["learn_sigma"] is False
+    src = torch.load(ref, weights_only=True)
+    for k, v in tr.model.state_dict().items():
+        if k != "y_embedder.embedding_table.weight":
+            assert torch.equal(v, src[k]), k
+    assert tr.model.y_embedder.embedding_table.weight.shape == (3, 192)
+
+
+def test_finetune_under_data_parallel_resumes_bit_identically(world, tmp_path):
+    """A converted checkpoint fine-tuned on 2 ranks (torchrun, autohc installed): 4 steps in one
+    go, and 2 + 2 with --resume, give the same losses bit for bit."""
+    ref = tmp_path / "ref.pt"
+    assert main(["convert", str(world["run"]), str(ref), "--to", "dit"]) == 0
+    torchrun = shutil.which("torchrun") or pytest.fail("torchrun not found (it ships with torch)")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    base = [torchrun, "--nproc-per-node", "2", "-m", "autohc.cli", "train", "--init", str(ref),
+            "--data", f"latents:{world['lat']}", "--batch", "6", "--threads", "1", "--ckpt-every", "2",
+            "--samples-per-class", "0", "--no-progress"]
+
+    def run(out, steps, *extra):
+        r = subprocess.run([*base, "--steps", str(steps), "--out", str(out), *extra], env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r.stderr
+    err = run(tmp_path / "a", 4)
+    assert "data parallel over 2 ranks" in err and "starting from" in err
+    run(tmp_path / "b", 2)
+    assert "resuming" in run(tmp_path / "b", 4, "--resume")
+    la, lb = ((tmp_path / d / "losses.csv").read_text() for d in "ab")
+    assert la == lb and len(la.splitlines()) == 5
+    a, b = (torch.load(tmp_path / d / "ckpt-00000004.pt", weights_only=True)["model"] for d in "ab")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --------------------------------------------------------------------------- bad inputs
+
+def _one_line_exit_2(capsys, argv, must_not_exist=None):
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err and "\n" not in err, err
+    if must_not_exist is not None:
+        assert not must_not_exist.exists()
+    return err
+
+
+def test_bad_inputs_are_one_line_exit_2_nothing_written(world, tmp_path, capsys):
+    vae, out = str(world["vae"]), tmp_path / "out"
+    enc = ["encode", "--vae", vae, "--out", str(out)]
+    assert "not a directory" in _one_line_exit_2(capsys, [*enc, "--data", f"folder:{tmp_path / 'none'}"], out)
+    mixed = _images(tmp_path / "mixed", [(16, 16), (20, 16)])
+    assert "--image-size" in _one_line_exit_2(capsys, [*enc, "--data", f"folder:{mixed}"], out)
+    assert "AutoencoderKL" in _one_line_exit_2(
+        capsys, ["encode", "--data", f"folder:{world['imgs']}", "--vae", str(world["imgs"]), "--out", str(out)], out)
+    assert "AutoencoderKL" in _one_line_exit_2(
+        capsys, ["encode", "--data", f"folder:{world['imgs']}", "--vae", str(tmp_path / "no-vae"), "--out", str(out)], out)
+    (tmp_path / "pickled.pt").write_bytes(b"")
+    torch.save({"w": torch.zeros(1), "evil": ValueError("x")}, tmp_path / "pickled.pt")
+    (tmp_path / "torn.pt").write_bytes(b"\x80\x04not a checkpoint")
+    dst = tmp_path / "dst.pt"
+    assert "pickled Python object" in _one_line_exit_2(
+        capsys, ["convert", str(tmp_path / "pickled.pt"), str(dst), "--to", "autohc"], dst)
+    assert "not a loadable checkpoint" in _one_line_exit_2(
+        capsys, ["convert", str(tmp_path / "torn.pt"), str(dst), "--to", "dit"], dst)
+    torch.save({"a": torch.zeros(2)}, tmp_path / "other.pt")
+    assert "not a DiT state dict" in _one_line_exit_2(
+        capsys, ["convert", str(tmp_path / "other.pt"), str(dst), "--to", "dit"], dst)
+    run = tmp_path / "run"
+    train = ["train", "--data", f"latents:{world['lat']}", "--out", str(run), "--no-progress", "--steps", "1"]
+    assert "pickled Python object" in _one_line_exit_2(capsys, [*train, "--init", str(tmp_path / "pickled.pt")], run)
+    ref = tmp_path / "ref.pt"
+    assert main(["convert", str(world["run"]), str(ref), "--to", "dit"]) == 0
+    assert "not the --model DiT-S/2" in _one_line_exit_2(capsys, [*train, "--init", str(ref), "--model", "DiT-S/2"], run)
+    assert "the data is 1 x 8 x 8" in _one_line_exit_2(
+        capsys, ["train", "--data", "digits", "--out", str(run), "--init", str(ref), "--no-progress"], run)
+    assert "no meta.json" in _one_line_exit_2(
+        capsys, ["train", "--data", f"latents:{world['imgs']}", "--out", str(run), "--no-progress"], run)
