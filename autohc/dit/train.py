@@ -117,7 +117,7 @@ class Trainer:
                                             channels=cfg.channels, seed=cfg.seed)
         init = self._read_init(cfg, resumed)
         if cfg.model is None:           # --init or --resume without --model: theirs
-            cfg.model = init.arch["model"] if init else resumed[1]["arch"]["model"] if resumed else "DiT-S/2"
+            cfg.model = init.arch["model"] if init else resumed[1]["arch"]["model"] if resumed else "DiT-Ti/2"
         C, H, _ = self.data.shape
         self.arch = {"model": cfg.model, "input_size": H, "in_channels": C,
                      "num_classes": self.data.num_classes, "class_dropout": cfg.class_dropout,
