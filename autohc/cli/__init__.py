@@ -11,6 +11,7 @@ import os
 import sys
 
 from . import bench, kernels, tune
+from ..bench.results import add_save_argument
 from .argtypes import non_negative_int, positive_int
 
 # torch's libgomp threads spin for milliseconds after each parallel region and OpenBLAS's for
@@ -160,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "%% of the bf16 peak; default fp32")
     g.add_argument("--json", action="store_true",
                    help="print JSON (one object per thread count) instead of tables")
+    add_save_argument(g)
     g.add_argument("--markdown", action="store_true", help="print Markdown tables (as in the README)")
     g.add_argument("--no-first-use-tuning", action="store_true",
                    help="time the default kernel where the registry has no entry (default: tune "
@@ -249,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only these rows (names as in the table; 'adamw' included)")
     o.add_argument("--threads", type=positive_int, default=None, help="threads (default: all usable)")
     o.add_argument("--json", action="store_true", help="one JSON object (rows: name, ms, torch_ms, speedup, gbps, ...)")
+    add_save_argument(o)
     o.add_argument("--contended", action="store_true", help=argparse.SUPPRESS)
     from .dit import add_parsers
     add_parsers(sub, bsub)
@@ -279,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         automem.fixed_mmap_threshold(automem.min_bytes_setting())
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(words)             # the command line, kept with a result saved by --save
     if args.command == "bench" and not getattr(args, "contended", True):
         missing = {k: v for k, v in PASSIVE_ENV.items() if os.environ.get(k) != v}
         if missing and argv is None:    # the thread libraries read these at load: re-exec

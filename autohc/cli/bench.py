@@ -110,7 +110,9 @@ def cmd_bench_gemm(args) -> int:
     from rich.table import Table
 
     from ..bench.gemm import bench_gemm
+    from ..bench.results import recorder
     from ..kernels.gemm.problem import dit_problems
+    rec = recorder("gemm", args)
     console = Console(stderr=True)
     results = []
     n = len(dit_problems(args.model, args.images))
@@ -122,6 +124,8 @@ def cmd_bench_gemm(args) -> int:
                            progress=lambda _row, t=task: progress.advance(t), dtype=args.dtype)
             r["wait_policy"] = "contended" if args.contended else "passive"
             results.append(r)
+    if rec is not None:
+        print(f"autohc: result saved to {rec.save(results, threads=max(args.threads))}", file=sys.stderr)
     if args.json:
         for r in results:
             print(json.dumps(r))
@@ -177,10 +181,14 @@ def _bf16_table(r: dict):
 def cmd_bench_ops(args) -> int:
     import torch
     from ..bench.ops import bench_ops
+    from ..bench.results import recorder
+    rec = recorder("ops", args)
     if args.threads:
         torch.set_num_threads(args.threads)
     r = bench_ops(args.images, args.repeats, args.adamw_params, args.ops,
                   progress=None if args.json else lambda m: print(m, file=sys.stderr, flush=True))
+    if rec is not None:
+        print(f"autohc: result saved to {rec.save(r, threads=r['threads'])}", file=sys.stderr)
     if args.json:
         print(json.dumps(r, indent=2))
         return 0

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..bench.results import add_save_argument, recorder
 from ..dit.model import MODELS
 from .argtypes import non_negative_int, positive_float, positive_int, unit_interval
 
@@ -110,6 +111,7 @@ def add_parsers(sub, bsub) -> None:
     _sampling_args(t)
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--json", action="store_true", help="print a JSON summary at the end")
+    add_save_argument(t)
 
     s = sub.add_parser("sample", help="PNG grid of class-conditional samples from a checkpoint",
                        description="Samples from a checkpoint's EMA weights, one row per class.",
@@ -178,6 +180,7 @@ def add_parsers(sub, bsub) -> None:
                         "(default: libgomp's default wait, as a user's script runs stock torch; "
                         "install() then gives torch one thread). It applies to stock too")
     b.add_argument("--json", action="store_true", help="one JSON object")
+    add_save_argument(b)
 
 
 def _kernels(args):
@@ -294,6 +297,8 @@ def _train_in_group(args, launch) -> int:
                    samples_png=str(out / "samples.png") if args.samples_per_class else None,
                    model=cfg.model, batch=args.batch, autohc=not args.no_autohc,
                    threads=kernel_threads())
+    if (rec := recorder("train", args)) is not None:
+        print(f"autohc: result saved to {rec.save(summary, threads=summary['threads'])}", file=sys.stderr)
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
@@ -347,10 +352,13 @@ def cmd_eval(args) -> int:
 
 def cmd_bench_step(args) -> int:
     from ..bench.step import bench_step
+    rec = recorder("step", args)
     r = bench_step(args.model, args.batch, image_size=args.image_size, steps=args.steps,
                    warmup=args.warmup, modes=args.modes, threads=args.threads,
                    torch_threads=args.torch_threads, first_use_tuning=not args.no_first_use_tuning,
                    profile=args.profile, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    if rec is not None:
+        print(f"autohc: result saved to {rec.save(r, threads=r['threads'])}", file=sys.stderr)
     if args.json:
         print(json.dumps(r, indent=2))
         return 0
