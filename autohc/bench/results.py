@@ -60,7 +60,7 @@ def cpu_record() -> dict:
             "family": info.family, "model_number": info.model_number,
             "fingerprint": info.fingerprint, "microarch": archs.describe(info)["arch"],
             "isa": cpu.best_isa(info), "bf16_isa": cpu.bf16_isa(info)[0],
-            "flags": sorted(f for f in info.flags if f in cpu._ISA_FLAGS), "cores": info.cores}
+            "flags": info.isa_flags(), "cores": info.cores}
 
 
 def _slug(words: list[str]) -> str:

@@ -27,6 +27,8 @@ EPILOG = """examples:
   autohc info
   autohc bench gemm --model dit-xl --threads 1 2
   autohc bench gemm --model dit-s --threads 2 --json > gemm.json
+  autohc bench gemm --model dit-xl --threads 1 2 --save   # also kept in results/<cpu>/
+  autohc report --results                                # results/ -> docs/results.md, README.md
   autohc train --data digits --out runs/digits
   autohc sample --ckpt runs/digits --classes 3 5 7 --out grid.png
   autohc eval --ckpt runs/digits
@@ -125,8 +127,21 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--out", default="generated", help="output folder (default: generated/)")
     exp.add_argument("--no-defaults", action="store_true", help="only tuned kernels")
 
-    rep = sub.add_parser("report", help="PNG plots: tuning convergence, roofline of tuned kernels")
+    rep = sub.add_parser("report", help="PNG plots: tuning convergence, roofline of tuned kernels; "
+                                        "--results: the docs' results tables from saved results",
+                         formatter_class=argparse.RawDescriptionHelpFormatter,
+                         epilog="examples:\n  autohc report --out report/\n"
+                                "  autohc report --results            # results/ -> docs/results.md, README.md")
     rep.add_argument("--out", default="report", help="output folder (default: report/)")
+    rep.add_argument("--results", nargs="?", const="results", default=None, metavar="DIR",
+                     help="instead of the plots: render the per-CPU results tables from the files "
+                          "`--save` wrote under DIR (default: results/) into --page and the "
+                          "README's results blocks")
+    rep.add_argument("--page", default="docs/results.md",
+                     help="with --results: the page written (default: docs/results.md)")
+    rep.add_argument("--readme", default="README.md",
+                     help="with --results: the README whose marked blocks are replaced "
+                          "(default: README.md; 'none' leaves it)")
     rep.add_argument("--storage", default=None, help="Optuna storage URL of the studies "
                                                      "(default: sqlite in the autohc cache)")
 

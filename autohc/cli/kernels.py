@@ -91,6 +91,13 @@ def cmd_export(args) -> int:
 
 
 def cmd_report(args, parser) -> int:
+    if args.results is not None:
+        from ..bench.results_md import render
+        if not Path(args.results).is_dir():
+            parser.error(f"--results: no folder {args.results}")
+        wrote = render(args.results, args.page, None if args.readme == "none" else args.readme)
+        print(f"autohc: rendered {', '.join(map(str, wrote))} from {args.results}/")
+        return 0
     from ..tune import StorageError
     from ..tune.report import report
     try:

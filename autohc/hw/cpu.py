@@ -51,10 +51,14 @@ class CpuInfo:
                 return c.size_bytes
         return None
 
+    def isa_flags(self) -> list[str]:
+        """The flags that matter for kernels (those the fingerprint covers), sorted."""
+        return sorted(f for f in self.flags if f in _ISA_FLAGS)
+
     @functools.cached_property          # computed once: it is read on every GEMM call
     def fingerprint(self) -> str:
         """Stable id of the CPU model + what matters for kernels (ISA, cores, caches)."""
-        isa = sorted(f for f in self.flags if f in _ISA_FLAGS)
+        isa = self.isa_flags()
         parts = [self.arch, self.vendor, self.model, ",".join(isa), str(self.cores),
                  ",".join(f"L{c.level}{c.kind[0]}{c.size_bytes}" for c in self.caches),
                  str(len(self.numa_nodes))]

@@ -1,0 +1,243 @@
+"""`autohc report --results`: the per-CPU results tables of docs/results.md and the README,
+rendered from the files `--save` wrote (autohc/bench/results.py). Deterministic: the same
+files give the same text, so a test re-renders them and compares with what is committed.
+
+Every figure stands beside its CPU, the code version it was measured on, the date and the
+command that reproduces it.
+"""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+from .results import load
+
+BEGIN, END = "<!-- results:{name}:begin -->", "<!-- results:{name}:end -->"
+NOTE = "<!-- rendered by `autohc report --results` from results/; edit the files, not this -->"
+README_BLOCKS = ("table", "digits")
+
+
+def cpu_title(c: dict) -> str:
+    fam = f"family {c['family']} model {c['model_number']}" if c.get("family") is not None else c["arch"]
+    return f"{c['model']} ({c['vendor']}, {fam}, `{c['microarch']}`), {c['cores']} cores"
+
+
+def cpu_features(c: dict) -> str:
+    return (f"fp32 back-end {c['isa']}, bf16 back-end {c['bf16_isa']}; ISA flags "
+            f"{', '.join(c['flags'])}; fingerprint `{c['fingerprint']}`")
+
+
+def _f(x, digits: int = 2) -> str:
+    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def _range(xs, digits: int = 1, unit: str = "") -> str:
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    if not xs:
+        return "—"
+    lo, hi = min(xs), max(xs)
+    return f"{lo:.{digits}f}{unit}" if f"{lo:.{digits}f}" == f"{hi:.{digits}f}" else \
+        f"{lo:.{digits}f}-{hi:.{digits}f}{unit}"
+
+
+def _token(rows):
+    return [w for w in rows if w["name"] != "adaLN"]
+
+
+def summaries(r: dict) -> list[tuple[str, str]]:
+    """(what, figure) lines of one saved result: the short form for the tables."""
+    res, bench = r["result"], r["bench"]
+    if bench == "gemm":
+        out = []
+        for g in res:
+            tok = _token(g["rows"])
+            if g.get("dtype") == "bf16":
+                out.append((f"{g['model']} GEMMs bf16 ({g['bf16_isa']}), {g['threads']} thread(s)",
+                            f"geomean **{_f(g['geomean_speedup_vs_torch'])}x torch bf16 (oneDNN), "
+                            f"{_f(g['geomean_speedup_vs_fp32'])}x the faster fp32 library**; token GEMMs "
+                            f"{_range([w['gflops'] for w in tok])} GFLOP/s, "
+                            f"{_range([w['pct_peak'] for w in tok])} % of the bf16 peak "
+                            f"({g['peak_gflops_per_core']} GFLOP/s per core)"))
+            else:
+                out.append((f"{g['model']} GEMMs fp32 ({g['isa']}), {g['threads']} thread(s)",
+                            f"geomean **{_f(g['geomean_speedup_vs_torch'])}x torch (MKL), "
+                            f"{_f(g['geomean_speedup_vs_numpy'])}x numpy (OpenBLAS)**; token GEMMs "
+                            f"{_range([w['gflops'] for w in tok])} GFLOP/s, "
+                            f"{_range([w['pct_peak'] for w in tok])} % of the FMA peak "
+                            f"({g['peak_gflops_per_core']} GFLOP/s per core)"))
+        return out
+    if bench == "step":
+        modes = res["step_s"]
+        parts = [f"{m} {modes[m]:.3f} s" for m in modes]
+        best = [f"autohc **{_f(res.get('speedup_vs_stock'))}x stock, "
+                f"{_f(res.get('speedup_vs_compiled'))}x torch.compile**"] if "autohc" in modes else []
+        if "autohc+compile" in modes:
+            best.append(f"autohc+compile {_f(res.get('autohc_compile_speedup_vs_stock'))}x stock, "
+                        f"{_f(res.get('autohc_compile_speedup_vs_compiled'))}x torch.compile")
+        peak = ", ".join(f"{m} {res['pct_peak'][m]:.1f}" for m in modes)
+        return [(f"{res['model']} training step fp32, batch {res['batch']}, {res['threads']} threads",
+                 "; ".join(best + [f"per step: {', '.join(parts)}", f"% of the FMA peak: {peak}"]))]
+    if bench == "ops":
+        rows = res["rows"]
+        line = ", ".join(f"{w['name']} {w['speedup']:.2f}x" for w in rows)
+        out = [(f"fused operators vs torch eager, {res['threads']} threads",
+                f"{line} (copy bandwidth {res['bandwidth_gbps']:.1f} GB/s)")]
+        if res.get("adamw_ms"):
+            a = res["adamw_ms"]
+            out.append((f"AdamW, {res['adamw_params']} parameters" if "adamw_params" in res else "AdamW",
+                        f"autohc {a['autohc']:.1f} ms, torch fused {a['torch_fused']:.1f} ms, "
+                        f"foreach {a['torch_foreach']:.1f} ms"))
+        return out
+    if bench == "train":
+        return [(f"`autohc train`: {res['model']}, {res['steps']} steps of batch {res['batch']}, "
+                 f"{res['threads']} threads",
+                 f"**{res['seconds']:.0f} s** of training: {res['steps_per_s']:.2f} steps/s, "
+                 f"{res['images_per_s']:.0f} images/s; final loss {res['final_loss']:.4f}, "
+                 f"peak RSS {res['peak_rss_gb']:.2f} GB")]
+    return [(bench, "(no summary for this bench)")]
+
+
+def _code(r: dict) -> str:
+    return f"`{r['code_version']}`, {r['date']}"
+
+
+def _cmd(r: dict) -> str:
+    return "`" + r["command"].replace("|", "\\|") + "`"
+
+
+def _by_cpu(results):
+    out: dict[str, list[dict]] = {}
+    for r in results:
+        out.setdefault(r["cpu"]["fingerprint"], []).append(r)
+    return out
+
+
+def latest(results) -> list[dict]:
+    """The newest result of each (CPU, command): what the current code gives."""
+    keep: dict[tuple, dict] = {}
+    for r in results:       # load() sorts by date, so the last one of a key wins
+        keep[(r["cpu"]["fingerprint"], r["command"])] = r
+    return sorted(keep.values(), key=lambda r: (r["cpu"]["fingerprint"], r["bench"] != "gemm",
+                                                r["bench"], r["command"]))
+
+
+def readme_table(results) -> str:
+    rows = [r for r in latest(results) if r["bench"] in ("gemm", "step")]
+    lines = ["| CPU | what | result | code, date | command |", "|---|---|---|---|---|"]
+    for r in rows:
+        for what, figure in summaries(r):
+            lines.append(f"| {cpu_title(r['cpu'])} | {what} | {figure} | {_code(r)} | {_cmd(r)} |")
+    if len(lines) == 2:
+        lines.append("| (no saved results yet) | | | | |")
+    return "\n".join(lines)
+
+
+def readme_digits(results) -> str:
+    rows = [r for r in latest(results) if r["bench"] == "train" and "--data digits" in r["command"]]
+    if not rows:
+        return "- (no saved digits run yet: `autohc train --data digits --steps 2000 --save`)"
+    out = []
+    for r in rows:
+        res = r["result"]
+        out.append(f"- {cpu_title(r['cpu'])}: **{res['seconds']:.0f} s** of training "
+                   f"({res['steps_per_s']:.2f} steps/s), code {_code(r)}: {_cmd(r)}")
+    return "\n".join(out)
+
+
+def _details(r: dict) -> list[str]:
+    """The full table of one result, as the bench prints it."""
+    res, bench = r["result"], r["bench"]
+    out: list[str] = []
+    if bench == "gemm":
+        for g in res:
+            bf16 = g.get("dtype") == "bf16"
+            out += ["", f"{g['model']}, {g['threads']} thread(s), "
+                        + (f"bf16 on {g['bf16_isa']}" if bf16 else f"fp32 on {g['isa']}")
+                        + f", peak {g['peak_gflops_per_core']} GFLOP/s per core"
+                        + (f"; first-use tuning {g['first_use_tuning_s']:.1f} s before timing"
+                           if g.get("first_use_tuning_s") else "") + ":", ""]
+            if bf16:
+                out += ["| GEMM | layout | M | K | N | config | autohc bf16 GFLOP/s | % peak | torch bf16 "
+                        "| torch fp32 | numpy fp32 | x torch bf16 | x best fp32 |",
+                        "|---|---|--:|--:|--:|---|--:|--:|--:|--:|--:|--:|--:|"]
+                out += [f"| {w['name']} | {w['layout']} | {w['M']} | {w['K']} | {w['N']} | {w['config']} "
+                        f"| {_f(w['gflops'], 1)} | {_f(w['pct_peak'], 1)} | {_f(w['torch_gflops'], 1)} "
+                        f"| {_f(w['torch_fp32_gflops'], 1)} | {_f(w['numpy_gflops'], 1)} "
+                        f"| {_f(w['speedup_vs_torch'])} | {_f(w['speedup_vs_fp32'])} |" for w in g["rows"]]
+            else:
+                out += ["| GEMM | layout | M | K | N | config | autohc GFLOP/s | % peak | torch | numpy "
+                        "| x torch | x numpy |", "|---|---|--:|--:|--:|---|--:|--:|--:|--:|--:|--:|"]
+                out += [f"| {w['name']} | {w['layout']} | {w['M']} | {w['K']} | {w['N']} | {w['config']} "
+                        f"| {_f(w['gflops'], 1)} | {_f(w['pct_peak'], 1)} | {_f(w['torch_gflops'], 1)} "
+                        f"| {_f(w['numpy_gflops'], 1)} | {_f(w['speedup_vs_torch'])} "
+                        f"| {_f(w['speedup_vs_numpy'])} |" for w in g["rows"]]
+    elif bench == "step":
+        out += ["", f"{res['step_gflop']} GFLOP per step in GEMMs and attention, FMA peak "
+                    f"{res['peak_gflops']} GFLOP/s, median of {res['timed_steps']} steps; losses within "
+                    f"{res['max_loss_rel_diff']:.1e} relative of stock; peak RSS {res['peak_rss_gb']:.2f} GB"
+                + (f"; first-use tuning {res['first_use_race_s']:.1f} s of races" if res.get("first_use_race_s")
+                   else "") + ":", "",
+                "| mode | s/step | GFLOP/s | % of peak | spread |", "|---|--:|--:|--:|--:|"]
+        out += [f"| {m} | {t:.3f} | {res['gflops'][m]:.1f} | {res['pct_peak'][m]:.1f} "
+                f"| {_f(res['spread_pct'].get(m), 1)} % |" for m, t in res["step_s"].items()]
+    elif bench == "ops":
+        out += ["", f"copy bandwidth {res['bandwidth_gbps']:.1f} GB/s in the same run:", "",
+                "| op | shape | ms | torch ms | speedup | GB/s | % of copy bandwidth |",
+                "|---|---|--:|--:|--:|--:|--:|"]
+        out += [f"| {w['name']} | {w['shape']} | {w['ms']:.2f} | {w['torch_ms']:.2f} | {w['speedup']:.2f}x "
+                f"| {w['gbps']:.1f} | {w['pct_bandwidth']:.0f} |" for w in res["rows"]]
+    return out
+
+
+def results_page(results) -> str:
+    lines = ["# Results on the CPUs met", "", NOTE, "",
+             "Every figure here is rendered by `autohc report --results` from a file under",
+             "[`results/`](../results) that a bench saved with `--save`: the CPU, the code version",
+             "(`git describe`; `+dirty`: uncommitted changes in the code), the date and the command",
+             "stand beside it. How they are measured: [benchmarks.md](benchmarks.md). Figures of",
+             "earlier code, typed by hand before results were data: [history.md](history.md).", ""]
+    if not results:
+        lines.append("No saved results yet.")
+    for fp, rs in _by_cpu(results).items():
+        c = rs[-1]["cpu"]
+        lines += [f"## {cpu_title(c)}", "", cpu_features(c), "",
+                  "| what | result | code, date | command |", "|---|---|---|---|"]
+        for r in latest(rs):
+            lines += [f"| {what} | {figure} | {_code(r)} | {_cmd(r)} |" for what, figure in summaries(r)]
+        lines.append("")
+        for r in sorted(rs, key=lambda r: (r["date"], r["file"]), reverse=True):
+            lines += [f"### {r['bench']}: {_cmd(r)}", "",
+                      f"{_code(r)}, torch {r['torch']}, registry entries at the start "
+                      f"{r['registry_entries_at_start']}"
+                      + (f", environment {', '.join(f'{k}={v}' for k, v in r['env'].items())}" if r["env"] else "")
+                      + f"; file [`results/{r['file']}`](../results/{r['file']})"]
+            lines += _details(r)
+            lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def replace_block(text: str, name: str, body: str) -> str:
+    """text with the block between name's markers replaced by body (the markers must be there)."""
+    begin, end = BEGIN.format(name=name), END.format(name=name)
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
+    if not pattern.search(text):
+        raise ValueError(f"no {begin} ... {end} block")
+    return pattern.sub(lambda _m: f"{begin}\n{NOTE}\n{body}\n{end}", text, count=1)
+
+
+def render(folder: Path | str, page: Path | str, readme: Path | str | None) -> list[Path]:
+    """Writes page (docs/results.md) and the README's blocks; returns what it wrote."""
+    results = load(folder)
+    page = Path(page)
+    page.parent.mkdir(parents=True, exist_ok=True)
+    page.write_text(results_page(results))
+    wrote = [page]
+    if readme is not None:
+        readme = Path(readme)
+        text = readme.read_text()
+        for name, body in (("table", readme_table(results)), ("digits", readme_digits(results))):
+            text = replace_block(text, name, body)
+        readme.write_text(text)
+        wrote.append(readme)
+    return wrote
