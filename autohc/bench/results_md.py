@@ -95,6 +95,19 @@ def summaries(r: dict) -> list[tuple[str, str]]:
                  f"**{res['seconds']:.0f} s** of training: {res['steps_per_s']:.2f} steps/s, "
                  f"{res['images_per_s']:.0f} images/s; final loss {res['final_loss']:.4f}, "
                  f"peak RSS {res['peak_rss_gb']:.2f} GB")]
+    if bench == "memory":
+        what = f"AutoMem ({res['tier']} tier), {res['model']} batch {res['batch']}"
+        if res["baseline_out_of_memory"]:
+            return [(what, f"without AutoMem out of memory; with it peak RSS {res['automem_peak_gb']:.2f} GB, "
+                           f"step {res['automem_step_s']:.3f} s")]
+        return [(what, f"peak RSS {res['baseline_peak_gb']:.2f} -> {res['automem_peak_gb']:.2f} GB "
+                       f"(**{-100 * res['peak_reduction']:.1f} %**), step {res['baseline_step_s']:.3f} -> "
+                       f"{res['automem_step_s']:.3f} s (**{100 * res['step_overhead']:+.1f} %**, median of "
+                       f"{res['rounds']} pairs); losses within {res['loss_rel_diff']:.1e}")]
+    if bench == "parallel":
+        return [(f"DP vs DP+TP vs CFTP, {res['model']} batch {res['batch']}",
+                 ", ".join(f"{w['strategy']} {w['step_s']:.3f} s/step, {w['peak_mem_gb']:.2f} GB"
+                           for w in res["rows"]))]
     return [(bench, "(no summary for this bench)")]
 
 

@@ -221,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     me.add_argument("--rounds", type=positive_int, default=2,
                     help="pairs of runs, baseline and AutoMem in alternating order (default: 2)")
     me.add_argument("--json", action="store_true", help="one JSON object")
+    add_save_argument(me)
     pa = bsub.add_parser(
         "parallel", formatter_class=argparse.RawDescriptionHelpFormatter,
         help="the paper's Table 2 here: DP vs DP+TP vs CFTP, step time, peak memory, losses",
@@ -235,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--strategies", nargs="+", choices=["dp", "dp+tp", "cftp"], default=["dp", "dp+tp", "cftp"],
                     help="what to run (default: all three)")
     pa.add_argument("--json", action="store_true", help="one JSON object")
+    add_save_argument(pa)
     gate = bsub.add_parser(
         "gate", help="CI perf-regression gate on autohc/torch speed ratios",
         description="Measures autohc/torch speed ratios (interleaved, medians) on the DiT-XL/2 "

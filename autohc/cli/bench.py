@@ -45,12 +45,22 @@ def cmd_bench_scale(args) -> int:
     return 0
 
 
+def _save(rec, result, threads: int | None) -> None:
+    """The result under --save's folder, when given (rec: the Recorder started before the
+    bench ran, or None)."""
+    if rec is not None:
+        print(f"autohc: result saved to {rec.save(result, threads=threads)}", file=sys.stderr)
+
+
 def cmd_bench_memory(args) -> int:
     from ..bench.memory import bench_memory
+    from ..bench.results import recorder
     _known_model(args.model)
+    rec = recorder("memory", args)
     r = bench_memory(args.model, args.batch, args.tier, steps=args.steps, warmup=args.warmup,
                      state=args.state, rounds=args.rounds,
                      progress=lambda m: print(f"bench memory: {m}", file=sys.stderr, flush=True))
+    _save(rec, r, None)
     if args.json:
         print(json.dumps(r, indent=1))
         return 0
@@ -71,10 +81,13 @@ def cmd_bench_memory(args) -> int:
 
 def cmd_bench_parallel(args) -> int:
     from ..bench.parallel import bench_parallel
+    from ..bench.results import recorder
     _known_model(args.model)
+    rec = recorder("parallel", args)
     r = bench_parallel(args.model, args.batch, steps=args.steps, warmup=args.warmup,
                        strategies=args.strategies,
                        progress=lambda m: print(m, file=sys.stderr, flush=True))
+    _save(rec, r, None)
     if args.json:
         print(json.dumps(r, indent=1))
         return 0
@@ -124,8 +137,7 @@ def cmd_bench_gemm(args) -> int:
                            progress=lambda _row, t=task: progress.advance(t), dtype=args.dtype)
             r["wait_policy"] = "contended" if args.contended else "passive"
             results.append(r)
-    if rec is not None:
-        print(f"autohc: result saved to {rec.save(results, threads=max(args.threads))}", file=sys.stderr)
+    _save(rec, results, max(args.threads))
     if args.json:
         for r in results:
             print(json.dumps(r))
@@ -187,8 +199,7 @@ def cmd_bench_ops(args) -> int:
         torch.set_num_threads(args.threads)
     r = bench_ops(args.images, args.repeats, args.adamw_params, args.ops,
                   progress=None if args.json else lambda m: print(m, file=sys.stderr, flush=True))
-    if rec is not None:
-        print(f"autohc: result saved to {rec.save(r, threads=r['threads'])}", file=sys.stderr)
+    _save(rec, r, r["threads"])
     if args.json:
         print(json.dumps(r, indent=2))
         return 0
