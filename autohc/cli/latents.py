@@ -95,9 +95,25 @@ def cmd_convert(args) -> int:
     if args.to != "diffusers" and out.is_dir():
         raise convert.CheckpointError(f"{out}: is a folder; --to {args.to} writes a file")
     w = convert.read(args.src)
-    convert.check_loads(w)
+    _check_loads(w)
     convert.write(w, args.to, out, vae=args.vae)
     convert.warn(w.notes)
     print(f"autohc: {w.arch['model']} ({w.arch['num_classes']} classes, {w.arch['in_channels']} x "
           f"{w.arch['input_size']} x {w.arch['input_size']}) from {w.source} -> {out} ({args.to})")
     return 0
+
+
+def _check_loads(w) -> None:
+    """The weights load into autohc's model of their arch (strict), or one clear error."""
+    from ..dit import convert
+    from ..dit.train import build_model
+    m = build_model(w.arch)
+    for name, sd in (("model", w.model), ("ema", w.ema)):
+        if sd is None:
+            continue
+        try:
+            m.load_state_dict(sd, strict=True)
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()
+            raise convert.CheckpointError(f"{w.source}: its {name} weights do not fit {w.arch['model']} "
+                                          f"({' '.join(first[1:2]).strip()[:200]})") from None

@@ -240,8 +240,8 @@ def diffusers_config(arch: dict) -> dict:
 
 
 def _read_diffusers(p: Path) -> Weights:
-    from .vae import _diffusers
-    diffusers = _diffusers()
+    from .vae import diffusers_module
+    diffusers = diffusers_module()
     folder = p / "transformer" if (p / "transformer" / "config.json").is_file() else p
     try:
         cfg = json.loads((folder / "config.json").read_text())
@@ -304,8 +304,8 @@ def write_diffusers(w: Weights, out: Path, vae_spec: str | None = None) -> Path:
     """A DiTTransformer2DModel folder; with a VAE (given, or the one the model was trained on),
     a whole DiTPipeline folder (transformer/, vae/, scheduler/: DDPM with DiT's linear
     schedule). Written beside, then renamed into place."""
-    from .vae import _diffusers, load as load_vae
-    diffusers = _diffusers()
+    from .vae import diffusers_module, load as load_vae
+    diffusers = diffusers_module()
     out = Path(out)
     if out.exists():
         raise CheckpointError(f"{out}: exists; pass a new folder")
@@ -356,21 +356,6 @@ def write(w: Weights, fmt: str, out: str | Path, *, vae: str | None = None) -> P
     if fmt == "diffusers":
         return write_diffusers(w, Path(out), vae)
     raise ValueError(f"unknown format {fmt!r}: autohc, dit or diffusers")
-
-
-def check_loads(w: Weights) -> None:
-    """The weights load into autohc's model of their arch (strict), or one clear error."""
-    from .train import build_model
-    m = build_model(w.arch)
-    for name, sd in (("model", w.model), ("ema", w.ema)):
-        if sd is None:
-            continue
-        try:
-            m.load_state_dict(sd, strict=True)
-        except RuntimeError as e:
-            first = str(e).strip().splitlines()
-            raise CheckpointError(f"{w.source}: its {name} weights do not fit {w.arch['model']} "
-                                  f"({' '.join(first[1:2]).strip()[:200]})") from None
 
 
 def warn(notes: list[str]) -> None:

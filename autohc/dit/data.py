@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+LATENTS_FORMAT = "autohc-latents-1"      # meta.json of an `autohc encode` folder (dit/encode.py)
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
 
 
@@ -154,8 +155,7 @@ def npy(path: Path) -> Dataset:
 def latents(folder: Path) -> Dataset:
     """An `autohc encode` folder: latents memory-mapped copy-on-write (pages read as batches
     need them), labels, and what sampling needs to decode them."""
-    from .encode import read_meta
-    meta = read_meta(folder)
+    meta = read_latents_meta(folder)
     try:
         x = np.load(folder / "latents.npy", mmap_mode="c")
         y = np.load(folder / "labels.npy", allow_pickle=False)
@@ -167,6 +167,26 @@ def latents(folder: Path) -> Dataset:
     latent = {k: meta[k] for k in ("vae", "scaling_factor", "image_size", "classes")}
     return Dataset(torch.from_numpy(x), torch.from_numpy(y.astype(np.int64)), len(meta["classes"]),
                    f"latents:{folder.resolve()}", images=False, latent=latent)
+
+
+def read_latents_meta(folder: Path) -> dict:
+    """meta.json of a finished encode, or one clear error."""
+    import json
+    meta_path = folder / "meta.json"
+    if not folder.is_dir():
+        raise InputError(f"latents:{folder}: no such folder (autohc encode writes one)")
+    if not meta_path.is_file():
+        raise InputError(f"latents:{folder}: no meta.json: not a folder written by autohc encode")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (ValueError, OSError) as e:
+        raise InputError(f"{meta_path}: unreadable ({type(e).__name__})") from None
+    if meta.get("format") != LATENTS_FORMAT:
+        raise InputError(f"{meta_path}: format {meta.get('format')!r}, expected {LATENTS_FORMAT!r}")
+    if not meta.get("complete"):
+        raise InputError(f"latents:{folder}: the encode stopped at image {meta.get('done', 0)}: run the "
+                         "same autohc encode command again to finish it")
+    return meta
 
 
 class Batches:

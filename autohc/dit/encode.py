@@ -12,7 +12,7 @@ Images are center-cropped and resized as the reference (ADM's center_crop_arr: h
 box filter while the short side is >= twice the size, bicubic to the size, crop the middle);
 `--flip` adds a horizontally flipped copy of every image (rows n..2n-1). Each image's
 posterior draw has its own seed (vae.encode), so a run that was stopped and started again
-(`done` rows kept) gives the same file as one that was not.
+(`done` rows kept) gives the same file as one that was not. `data.latents` reads it back.
 """
 from __future__ import annotations
 
@@ -28,9 +28,7 @@ import numpy as np
 import torch
 
 from . import vae as vaelib
-from .data import DataError, InputError, class_files
-
-FORMAT = "autohc-latents-1"
+from .data import LATENTS_FORMAT as FORMAT, DataError, InputError, class_files
 
 
 def center_crop(im, size: int):
@@ -177,22 +175,3 @@ def _load_batch(part: list[tuple[Path, int]], size: int, mode: str) -> torch.Ten
                              "and run the same command again (it resumes)") from None
         arrays.append(a[None] if a.ndim == 2 else a.transpose(2, 0, 1))
     return torch.from_numpy(np.stack(arrays)).float() / 127.5 - 1.0
-
-
-def read_meta(folder: Path) -> dict:
-    """meta.json of a finished encode, or one clear error."""
-    meta_path = folder / "meta.json"
-    if not folder.is_dir():
-        raise InputError(f"latents:{folder}: no such folder (autohc encode writes one)")
-    if not meta_path.is_file():
-        raise InputError(f"latents:{folder}: no meta.json: not a folder written by autohc encode")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (ValueError, OSError) as e:
-        raise InputError(f"{meta_path}: unreadable ({type(e).__name__})") from None
-    if meta.get("format") != FORMAT:
-        raise InputError(f"{meta_path}: format {meta.get('format')!r}, expected {FORMAT!r}")
-    if not meta.get("complete"):
-        raise InputError(f"latents:{folder}: the encode stopped at image {meta.get('done', 0)}: run the "
-                         "same autohc encode command again to finish it")
-    return meta

@@ -20,7 +20,7 @@ class VaeError(InputError):
     """--vae names no loadable AutoencoderKL."""
 
 
-def _diffusers():
+def diffusers_module():
     try:
         import diffusers
     except ImportError:
@@ -32,7 +32,7 @@ def _diffusers():
 
 def load(spec: str | Path) -> "torch.nn.Module":
     """The AutoencoderKL at `spec` (folder or hub id), in eval mode, fp32."""
-    diffusers = _diffusers()
+    diffusers = diffusers_module()
     spec = str(spec)
     p = Path(spec)
     kw = {}
