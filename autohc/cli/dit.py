@@ -207,6 +207,7 @@ def _generate(model, arch, classes, per_class: int, args, progress: bool):
 
 def cmd_train(args) -> int:
     import torch
+    args.recorder = recorder("train", args)     # --save: started before training (fresh or not)
     if args.threads:                    # before install(), which takes the count for its kernels
         torch.set_num_threads(args.threads)
     with _kernels(args):
@@ -297,7 +298,7 @@ def _train_in_group(args, launch) -> int:
                    samples_png=str(out / "samples.png") if args.samples_per_class else None,
                    model=cfg.model, batch=args.batch, autohc=not args.no_autohc,
                    threads=kernel_threads())
-    if (rec := recorder("train", args)) is not None:
+    if (rec := getattr(args, "recorder", None)) is not None:
         print(f"autohc: result saved to {rec.save(summary, threads=summary['threads'])}", file=sys.stderr)
     if args.json:
         print(json.dumps(summary, indent=2))
