@@ -164,7 +164,7 @@ def test_render_replaces_only_the_marked_blocks(tmp_path):
     results_md.render(tmp_path / "results", tmp_path / "page.md", readme)
     text = readme.read_text()
     assert text.startswith("before\n") and "\nmid\n" in text and text.endswith("after\n")
-    assert "\nold\n" not in text and "| CPU | what | result | code, date | command |" in text
+    assert "\nold\n" not in text and "| what | result | code, date | command |" in text
     once = (tmp_path / "page.md").read_text()
     results_md.render(tmp_path / "results", tmp_path / "page.md", readme)
     assert (tmp_path / "page.md").read_text() == once and readme.read_text() == text

@@ -68,16 +68,20 @@ def summaries(r: dict) -> list[tuple[str, str]]:
                             f"({g['peak_gflops_per_core']} GFLOP/s per core)"))
         return out
     if bench == "step":
-        modes = res["step_s"]
-        parts = [f"{m} {modes[m]:.3f} s" for m in modes]
-        best = [f"autohc **{_f(res.get('speedup_vs_stock'))}x stock, "
-                f"{_f(res.get('speedup_vs_compiled'))}x torch.compile**"] if "autohc" in modes else []
-        if "autohc+compile" in modes:
-            best.append(f"autohc+compile {_f(res.get('autohc_compile_speedup_vs_stock'))}x stock, "
-                        f"{_f(res.get('autohc_compile_speedup_vs_compiled'))}x torch.compile")
-        peak = ", ".join(f"{m} {res['pct_peak'][m]:.1f}" for m in modes)
-        return [(f"{res['model']} training step fp32, batch {res['batch']}, {res['threads']} threads",
-                 "; ".join(best + [f"per step: {', '.join(parts)}", f"% of the FMA peak: {peak}"]))]
+        t, pct = res["step_s"], res["pct_peak"]
+        modes = _step_order(t)
+        base = ", ".join(f"{m} {t[m]:.3f}" for m in ("stock", "compiled") if m in t)
+        if "autohc" in t:
+            figure = (f"autohc **{_f(res.get('speedup_vs_stock'))}x stock, "
+                      f"{_f(res.get('speedup_vs_compiled'))}x torch.compile** ({t['autohc']:.3f} s per "
+                      f"step vs {base or '—'}; {pct['autohc']:.1f} % of the FMA peak)")
+        else:
+            figure = ", ".join(f"{m} {t[m]:.3f} s per step ({pct[m]:.1f} % of the FMA peak)" for m in modes)
+        if "autohc+compile" in t:
+            figure += (f"; autohc+compile {_f(res.get('autohc_compile_speedup_vs_stock'))}x / "
+                       f"{_f(res.get('autohc_compile_speedup_vs_compiled'))}x "
+                       f"({t['autohc+compile']:.3f} s)")
+        return [(f"{res['model']} training step fp32, batch {res['batch']}, {res['threads']} threads", figure)]
     if bench == "ops":
         rows = res["rows"]
         line = ", ".join(f"{w['name']} {w['speedup']:.2f}x" for w in rows)
@@ -111,6 +115,12 @@ def summaries(r: dict) -> list[tuple[str, str]]:
     return [(bench, "(no summary for this bench)")]
 
 
+def _step_order(times: dict) -> list[str]:
+    """The modes of a step result in bench/step.py's order (the saved JSON's keys are sorted)."""
+    from .step import MODES
+    return [m for m in MODES if m in times] + sorted(set(times) - set(MODES))
+
+
 def _code(r: dict) -> str:
     return f"`{r['code_version']}`, {r['date']}"
 
@@ -136,14 +146,18 @@ def latest(results) -> list[dict]:
 
 
 def readme_table(results) -> str:
+    """Per CPU, the newest GEMM and training-step results: one line naming the CPU, then a
+    table of figures with their code version, date and command."""
     rows = [r for r in latest(results) if r["bench"] in ("gemm", "step")]
-    lines = ["| CPU | what | result | code, date | command |", "|---|---|---|---|---|"]
-    for r in rows:
-        for what, figure in summaries(r):
-            lines.append(f"| {cpu_title(r['cpu'])} | {what} | {figure} | {_code(r)} | {_cmd(r)} |")
-    if len(lines) == 2:
-        lines.append("| (no saved results yet) | | | | |")
-    return "\n".join(lines)
+    if not rows:
+        return "(no saved results yet)"
+    out = []
+    for fp, rs in _by_cpu(rows).items():
+        out += [f"**{cpu_title(rs[0]['cpu'])}** (fingerprint `{fp}`):", "",
+                "| what | result | code, date | command |", "|---|---|---|---|"]
+        out += [f"| {what} | {figure} | {_code(r)} | {_cmd(r)} |" for r in rs for what, figure in summaries(r)]
+        out.append("")
+    return "\n".join(out).rstrip()
 
 
 def readme_digits(results) -> str:
@@ -193,7 +207,8 @@ def _details(r: dict) -> list[str]:
                    else "") + ":", "",
                 "| mode | s/step | GFLOP/s | % of peak | spread |", "|---|--:|--:|--:|--:|"]
         out += [f"| {m} | {t:.3f} | {res['gflops'][m]:.1f} | {res['pct_peak'][m]:.1f} "
-                f"| {_f(res['spread_pct'].get(m), 1)} % |" for m, t in res["step_s"].items()]
+                f"| {_f(res['spread_pct'].get(m), 1)} % |" for m, t in
+                ((m, res["step_s"][m]) for m in _step_order(res["step_s"]))]
     elif bench == "ops":
         out += ["", f"copy bandwidth {res['bandwidth_gbps']:.1f} GB/s in the same run:", "",
                 "| op | shape | ms | torch ms | speedup | GB/s | % of copy bandwidth |",
