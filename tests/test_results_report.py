@@ -133,6 +133,12 @@ def test_save_writes_atomically_with_what_it_was_measured_on(tmp_path, monkeypat
     assert loaded["file"] == f"{fp}/2026-01-02-gemm-model-dit-s.json"
 
 
+def test_file_names_of_long_commands_differ():
+    a = res._slug(["--data", "digits", "--steps", "3", "--batch", "8", "--out", "/tmp/run", "--samples-per-class", "0"])
+    b = res._slug(["--data", "digits", "--steps", "3", "--batch", "8", "--out", "/tmp/run", "--samples-per-class", "8"])
+    assert a != b and len(a) <= 60 and res._slug(["--json"]) == "default"
+
+
 def test_bench_save_option_on_the_command_line(tmp_path, monkeypatch, capsys):
     """`autohc bench ops --save DIR` saves what the bench returned (the bench itself faked:
     the wiring is under test, not the timing)."""

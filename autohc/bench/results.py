@@ -68,7 +68,10 @@ def _slug(words: list[str]) -> str:
     --threads 1 2 -> model-dit-xl-threads-1-2 (the output switches left out)."""
     keep = [w for w in words if w not in ("--json", "--markdown", "--save", "--no-progress")]
     text = re.sub(r"[^A-Za-z0-9.+]+", "-", " ".join(keep)).strip("-").lower()
-    return text[:60].rstrip("-") or "default"
+    if len(text) > 60:              # cut, with a hash of the rest: other arguments, other file
+        import hashlib
+        text = text[:50].rstrip("-") + "-" + hashlib.sha256(text.encode()).hexdigest()[:8]
+    return text or "default"
 
 
 @dataclass
