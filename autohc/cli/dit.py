@@ -16,7 +16,7 @@ from .argtypes import non_negative_int, positive_float, positive_int, unit_inter
 STEP_MODES = ("stock", "compiled", "autohc", "autohc+compile")
 
 TRAIN_EPILOG = """examples:
-  autohc train --data digits --out runs/digits        # the laptop default: DiT-Ti/2, 2000 steps, ~8 min
+  autohc train --data digits --out runs/digits        # the laptop default: DiT-Ti/2, 2000 steps (time per CPU: docs/results.md)
   autohc train --data digits --steps 4000 --out runs/digits --resume   # continue to 4000 steps
   autohc train --model DiT-XL/2 --data npy:latents.npy --batch 8 --lr 1e-4 --out runs/xl
   autohc train --model DiT-S/2 --data folder:imgs/ --image-size 32 --no-autohc --out runs/s
