@@ -6,7 +6,7 @@ same batches; their training steps (forward, backward, AdamW) are timed interlea
 project's timing protocol (autohc.bench.timing), the installed one inside `autohc.installed()`.
 Prints the step times, the speedup and the largest relative loss difference.
 
-    python bench/hand_written_dit.py [--depth 12 --dim 384 --heads 6 --batch 8] [--json]
+    python bench/hand_written_dit.py [--depth 12 --dim 384 --heads 6 --batch 8] [--autocast] [--json]
 """
 import argparse
 import copy
@@ -88,8 +88,8 @@ class HandDiT(nn.Module):
 class Trainer:
     """One model copy, its AdamW and its own batch stream (same seed for both copies)."""
 
-    def __init__(self, model, batch, installed):
-        self.model, self.batch, self.installed = model, batch, installed
+    def __init__(self, model, batch, installed, autocast=False):
+        self.model, self.batch, self.installed, self.autocast = model, batch, installed, autocast
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         self.gen = torch.Generator().manual_seed(1)
         self.losses = []
@@ -101,7 +101,9 @@ class Trainer:
         t = torch.randint(0, 1000, (self.batch,), generator=g)
         y = torch.randint(0, 1000, (self.batch,), generator=g)
         with autohc.installed() if self.installed else torch.enable_grad():
-            loss = F.mse_loss(self.model(x + noise, t, y), noise)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+                pred = self.model(x + noise, t, y)
+            loss = F.mse_loss(pred.float(), noise)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             self.opt.step()
@@ -115,19 +117,21 @@ def main():
     ap.add_argument("--heads", type=int, default=6)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--samples", type=int, default=6, help="timed steps per side (default 6)")
+    ap.add_argument("--autocast", action="store_true",
+                    help="both sides run the forward under torch.autocast('cpu', bfloat16)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.dim % args.heads:
         ap.error(f"--dim {args.dim} is not a multiple of --heads {args.heads}")
     torch.manual_seed(0)
     model = HandDiT(args.depth, args.dim, args.heads)
-    sides = {"stock": Trainer(model, args.batch, False),
-             "autohc": Trainer(copy.deepcopy(model), args.batch, True)}
+    sides = {"stock": Trainer(model, args.batch, False, args.autocast),
+             "autohc": Trainer(copy.deepcopy(model), args.batch, True, args.autocast)}
     # one step per sample: both copies take the same number of steps, so see the same batches
     t = timing.interleaved({k: s.step for k, s in sides.items()}, samples=args.samples,
                            warmup=2, min_sample_s=0.0)
     a, b = sides["autohc"].losses, sides["stock"].losses
-    out = {"cpu": cpu.detect().model, "depth": args.depth, "dim": args.dim, "batch": args.batch,
+    out = {"cpu": cpu.detect().model, "autocast_bf16": args.autocast, "depth": args.depth, "dim": args.dim, "batch": args.batch,
            "stock_s": t["stock"].median, "autohc_s": t["autohc"].median,
            "stock_spread_pct": t["stock"].spread_pct, "autohc_spread_pct": t["autohc"].spread_pct,
            "speedup": t["stock"].median / t["autohc"].median, "steps": len(a),
@@ -136,7 +140,8 @@ def main():
     if args.json:
         print(json.dumps(out))
     else:
-        print(f"hand-written DiT ({args.depth} blocks, dim {args.dim}), batch {args.batch}, on {out['cpu']}:")
+        print(f"hand-written DiT ({args.depth} blocks, dim {args.dim}), batch {args.batch}"
+              f"{', autocast bf16' if args.autocast else ''}, on {out['cpu']}:")
         print(f"  stock  {out['stock_s']:.3f} s/step (spread {out['stock_spread_pct']} %)")
         print(f"  autohc {out['autohc_s']:.3f} s/step (spread {out['autohc_spread_pct']} %)")
         print(f"  {out['ops_served_by_autohc']} calls served by autohc's kernels")

@@ -42,6 +42,7 @@ def test_info_json():
     assert info["cores"] >= 1 and len(info["fingerprint"]) == 16
     assert info["fma_peak_gflops_per_core"] > 0
     assert "AUTOHC_POOL_MB" in info["result_pool"]
+    assert info["kernel_threads"].startswith("torch's OpenMP threads")     # AUTOHC_TEAM's default
 
 
 def test_info_says_a_bad_setting_in_one_line():

@@ -367,6 +367,9 @@ def test_bench_step_stock_vs_autohc():
         assert set(share) == {"gemm", "attention", "elementwise", "optimizer", "copies", "other"}
         assert share["gemm"] > 0 and share["attention"] > 0 and share["optimizer"] > 0
         assert abs(sum(share.values()) - 1) < 0.05
+        secs, rate = r["profile"][mode]["seconds"], r["profile"][mode]["gflops"]
+        assert abs(sum(secs.values()) - r["profile"][mode]["wall_s"]) < 0.05 * r["profile"][mode]["wall_s"]
+        assert rate["gemm"] > 0 and rate["attention"] > 0      # flops over their own time
     assert r["speedup_vs_stock"] > 0 and r["max_loss_rel_diff"] < 1e-3
     assert len(r["losses"]["autohc"]) == 3
     # GEMMs and attention of DiT-Ti/8 at 16 px: 4 tokens; the count must at least hold the

@@ -55,6 +55,7 @@ def test_linear_forward_and_backward_run_on_autohc():
 
 
 def test_install_owns_the_threads_and_uninstall_gives_them_back(monkeypatch):
+    monkeypatch.setenv("AUTOHC_TEAM", "pool")               # autohc's own threads, and
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)     # libgomp's default: a long spin
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     seen = []
@@ -87,11 +88,33 @@ def test_install_owns_the_threads_and_uninstall_gives_them_back(monkeypatch):
         autohc.install(threads=0)
 
 
+def test_install_keeps_torch_threads_on_the_shared_team(monkeypatch):
+    """AUTOHC_TEAM=omp (the default): autohc's kernels run on torch's OpenMP threads, so
+    install() leaves torch all its threads, whatever libgomp's spin, and says nothing."""
+    monkeypatch.delenv("AUTOHC_TEAM", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            with autohc.installed():
+                assert torch.get_num_threads() == 2
+                torch.mm(torch.randn(64, 64), torch.randn(64, 64))
+        assert not [w for w in said if "thread" in str(w.message)]
+        assert torch.get_num_threads() == 2
+    finally:
+        autohc.uninstall()
+        torch.set_num_threads(old)
+
+
 def test_install_says_once_why_torch_gets_one_thread(monkeypatch):
-    """With libgomp's long spin, install() gives torch's own ops (and what torch.compile
-    compiles meanwhile) one thread: it says so once per process, with the fix, and not where
-    the user chose the threads or torch's workers wait briefly."""
+    """AUTOHC_TEAM=pool, with libgomp's long spin: install() gives torch's own ops (and what
+    torch.compile compiles meanwhile) one thread: it says so once per process, with the fix,
+    and not where the user chose the threads or torch's workers wait briefly."""
     from autohc.torch import dispatch
+    monkeypatch.setenv("AUTOHC_TEAM", "pool")
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.setitem(dispatch._state, "told_one_thread", False)
     old = torch.get_num_threads()
@@ -411,6 +434,8 @@ def test_install_does_not_compute_on_a_core_the_plan_keeps_for_helpers(monkeypat
 
 
 def test_install_keeps_torchs_threads_where_its_workers_wait_briefly(monkeypatch):
+    """AUTOHC_TEAM=pool: torch keeps its threads only where its workers wait briefly."""
+    monkeypatch.setenv("AUTOHC_TEAM", "pool")
     old = torch.get_num_threads()
     try:
         torch.set_num_threads(2)

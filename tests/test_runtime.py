@@ -41,20 +41,74 @@ def test_plan_settings_are_checked(monkeypatch):
         plan.make_plan(_info([(0, 1)]))
 
 
-def test_pool_is_shared_by_every_kernel():
-    """GEMMs of several configurations and the operators: one pool, no more workers than the
-    largest team asked for minus the caller."""
-    import autohc
+_SHARED_TEAM = textwrap.dedent("""
+    import json, os, torch, autohc
     from autohc.kernels.gemm.params import default_params
     from autohc.hw import cpu
+    from autohc.runtime import omp, pool
+    torch.set_num_threads(2)
+    torch.mm(torch.randn(256, 256), torch.randn(256, 256))   # torch's OpenMP team is up
+    before = len(os.listdir("/proc/self/task"))
     isa = cpu.best_isa()
-    before = pool.workers()                 # earlier tests may have asked for bigger teams
     a, b = torch.randn(200, 96), torch.randn(96, 130)
     for threads, kc in ((2, 64), (2, 128), (1, 96), (2, 256)):
         p = default_params(isa, threads).__class__(**{**default_params(isa, threads).to_dict(), "kc": kc})
         torch.testing.assert_close(autohc.matmul(a, b, params=p), a @ b, rtol=1e-4, atol=1e-4)
     autohc.ops.gelu_tanh(torch.randn(512, 512))
-    assert pool.workers() == max(before, 1)     # teams of 2: the caller and one shared worker
+    print(json.dumps({"pool_workers": pool.workers(), "fallbacks": omp.team_fallbacks(),
+                      "new_threads": len(os.listdir("/proc/self/task")) - before}))
+""")
+
+
+@pytest.mark.parametrize("team", ["omp", "pool"])
+def test_every_kernel_runs_on_one_team(team, tmp_path):
+    """GEMMs of several configurations and the operators share one set of threads: with
+    AUTOHC_TEAM=omp (the default) torch's own OpenMP threads (no pool worker, no new thread,
+    nothing handed to the fallback); with AUTOHC_TEAM=pool autohc's pool, no more workers
+    than the largest team minus the caller."""
+    env = {**os.environ, "AUTOHC_CACHE_DIR": str(tmp_path), "AUTOHC_TEAM": team}
+    out = subprocess.run([sys.executable, "-c", _SHARED_TEAM], env=env, capture_output=True,
+                         text=True, timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    if team == "omp":
+        assert r == {"pool_workers": 0, "fallbacks": 0, "new_threads": 0}, r
+    else:
+        assert r["pool_workers"] == 1 and r["new_threads"] == 1, r   # teams of 2: the caller + 1
+
+
+def test_team_kind_setting_is_checked(monkeypatch):
+    from autohc.runtime import omp
+    monkeypatch.setenv("AUTOHC_TEAM", "tbb")
+    with pytest.raises(ValueError, match="AUTOHC_TEAM='tbb': expected one of omp, pool"):
+        omp.team_kind()
+    monkeypatch.setenv("AUTOHC_TEAM", " POOL ")
+    assert omp.team_kind() == "pool"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_forked_child_runs_kernels_on_the_fallback_pool(tmp_path):
+    """libgomp does not survive a fork of a process that used it (torch's own ops hang in such
+    a child): a forked child's teams go to autohc's pool and give the right result."""
+    script = textwrap.dedent("""
+        import os, sys, numpy as np, torch, autohc
+        from autohc.runtime import omp
+        torch.set_num_threads(2)
+        a, b = torch.randn(300, 200), torch.randn(200, 170)
+        ref = (a @ b).numpy()
+        autohc.matmul(a, b, threads=2)                      # the parent used OpenMP teams
+        assert omp.team_fallbacks() == 0
+        pid = os.fork()
+        if pid == 0:    # (no torch op here: torch's own would hang, libgomp's limit)
+            ok = np.allclose(autohc.matmul(a.numpy(), b.numpy(), threads=2), ref, rtol=1e-4, atol=1e-4)
+            os._exit(0 if ok and omp.team_fallbacks() > 0 else 3)
+        _, status = os.waitpid(pid, 0)
+        sys.exit(os.waitstatus_to_exitcode(status))
+    """)
+    env = {**os.environ, "AUTOHC_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
 
 
 def test_process_holds_one_pool_under_install(tmp_path):

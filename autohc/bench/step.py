@@ -16,6 +16,7 @@ machine's noise falls on all alike, unless the model is too big for three copies
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 
@@ -136,13 +137,23 @@ def profile_step(mode: "_Mode") -> dict:
             seconds[cls] += e.self_cpu_time_total / 1e6
     known = sum(v for k, v in seconds.items() if k != "other")
     seconds["other"] = max(0.0, wall - known)
-    return {"wall_s": wall, "share": {k: v / wall for k, v in seconds.items()}}
+    return {"wall_s": wall, "seconds": seconds, "share": {k: v / wall for k, v in seconds.items()}}
 
 
 def step_flops(model: str, batch: int, image_size: int) -> float:
     """Floating-point operations of one training step (forward + backward: GEMMs and
     attention, as torch's FlopCounterMode counts them; element-wise work not included),
     counted on a stock model once."""
+    return sum(step_flops_by_class(model, batch, image_size).values())
+
+
+@functools.lru_cache(maxsize=8)
+def step_flops_by_class(model: str, batch: int, image_size: int) -> dict:
+    """step_flops split into the profile's classes that do them: {"gemm": .., "attention": ..}
+    (FlopCounterMode's count per op, attention being the scaled-dot-product ops). torch's
+    counter has no formula for the CPU flash-attention op SDPA runs here, so attention is then
+    counted as torch counts its other SDPA ops: 4 B S^2 D forward (Q K^T and P V) and twice
+    that backward, per block."""
     from torch.utils.flop_counter import FlopCounterMode
     torch.manual_seed(0)
     m = synthetic_model(model, image_size)
@@ -152,7 +163,14 @@ def step_flops(model: str, batch: int, image_size: int) -> float:
     counter = FlopCounterMode(display=False)
     with counter:
         GaussianDiffusion().training_loss(m, x, t, y, torch.randn_like(x)).backward()
-    return float(counter.get_total_flops())
+    out = {"gemm": 0.0, "attention": 0.0}
+    for op, n in counter.get_flop_counts().get("Global", {}).items():
+        out["attention" if "scaled_dot_product" in str(op) else "gemm"] += float(n)
+    if out["attention"] == 0.0:
+        cfg = config(model)
+        tokens = (image_size // cfg.patch) ** 2
+        out["attention"] = 3 * 4.0 * batch * tokens ** 2 * cfg.hidden * cfg.depth
+    return out
 
 
 def bench_step(model: str, batch: int, *, image_size: int = 32, steps: int = 10, warmup: int = 2,
@@ -235,5 +253,11 @@ def _bench(model, batch, image_size, steps, warmup, modes, say, install_kw, prof
            "max_loss_rel_diff": diff, "peak_rss_gb": peak_rss_gb(), "losses": losses,
            "step_times": {r.name: r.times for r in runs}}
     if profile:
+        # the GEMMs' and attention's own rate inside the profiled step: their flops over the
+        # self time of their ops (a regression shows in the class it is in)
+        split = step_flops_by_class(model, batch, image_size)
+        for r in runs:
+            r.profile["gflops"] = {c: round(split[c] / r.profile["seconds"][c] / 1e9, 1)
+                                   if r.profile["seconds"][c] > 0 else None for c in split}
         out["profile"] = {r.name: r.profile for r in runs}
     return out

@@ -172,13 +172,14 @@ def add_parsers(sub, bsub) -> None:
                         "tune each new GEMM problem on first use, as install() does; that time "
                         "is reported apart)")
     b.add_argument("--profile", action="store_true",
-                   help="after the timed steps, one profiled step per mode: the share of its time "
-                        "in GEMM, attention, element-wise, optimizer, copies and other")
+                   help="after the timed steps, one profiled step per mode: its time (seconds "
+                        "and share) in GEMM, attention, element-wise, optimizer, copies and "
+                        "other, and the GFLOP/s the GEMMs and attention reach inside the step")
     b.add_argument("--short-spin", action="store_true",
-                   help="set GOMP_SPINCOUNT=10000 before torch loads, as `autohc train` does, so "
-                        "that install() keeps torch's threads for the ops autohc does not serve "
-                        "(default: libgomp's default wait, as a user's script runs stock torch; "
-                        "install() then gives torch one thread). It applies to stock too")
+                   help="set GOMP_SPINCOUNT=10000 before torch loads, as `autohc train` does "
+                        "(default: libgomp's default wait, as a user's script runs stock torch). "
+                        "It applies to stock too. With AUTOHC_TEAM=pool it is what lets install() "
+                        "keep torch's threads (docs/override.md, Threads)")
     b.add_argument("--json", action="store_true", help="one JSON object")
     add_save_argument(b)
 
@@ -383,4 +384,10 @@ def cmd_bench_step(args) -> int:
         print(f"  share of a profiled step: {'mode':15s}" + "".join(f"{c:>12s}" for c in classes))
         for m, p in r["profile"].items():
             print(f"  {'':26s}{m:15s}" + "".join(f"{100 * p['share'][c]:11.1f}%" for c in classes))
+        print(f"  seconds of a profiled step: {'mode':13s}" + "".join(f"{c:>12s}" for c in classes)
+              + "   GEMM GFLOP/s  attention GFLOP/s (inside the step)")
+        for m, p in r["profile"].items():
+            rate = p.get("gflops", {})
+            print(f"  {'':28s}{m:13s}" + "".join(f"{p['seconds'][c]:11.3f}s" for c in classes)
+                  + f"   {rate.get('gemm') or float('nan'):12.1f}  {rate.get('attention') or float('nan'):17.1f}")
     return 0

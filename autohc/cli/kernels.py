@@ -30,6 +30,7 @@ def cmd_info(args) -> int:
         "bf16_tile_peak_gflops_per_core": _round(bf16["tile_gflops_per_core"]),
         "bf16_backend": bf16["backend"], "bf16_backend_why": bf16["why"],
         "cpu_plan": plan.current().describe(),
+        "kernel_threads": _team_line(),
         "result_pool": memory.pool.describe(),
         "cache_dir": str(cache_dir()), "cached_kernels": len(cache_entries()),
         "registry": str(registry.registry_path()),
@@ -48,6 +49,17 @@ def cmd_info(args) -> int:
             else:
                 print(f"{k:>26}: {v}")
     return 0
+
+
+def _team_line() -> str:
+    """Whose threads the kernels' teams run on (AUTOHC_TEAM; a bad value says so here)."""
+    from ..runtime import omp
+    try:
+        kind = omp.team_kind()
+    except ValueError as e:
+        return str(e)
+    return ("torch's OpenMP threads (AUTOHC_TEAM=omp; autohc's pool where OpenMP cannot give "
+            "a whole team)" if kind == "omp" else "autohc's worker pool (AUTOHC_TEAM=pool)")
 
 
 def _round(x: float | None) -> float | None:

@@ -13,7 +13,7 @@ So install() keeps torch's threads where torch's workers wait briefly, and other
 torch's pool to one thread while installed. The `autohc` commands that train or sample
 (`train`, `sample`, `eval`) ask for the short spin before they import torch; a script can do
 the same with `prefer_short_spin()` before `import torch`, or with the variable in its
-environment. Nothing here imports torch.
+environment. The spin helpers import nothing; the team runner below imports torch.
 """
 from __future__ import annotations
 
@@ -44,3 +44,55 @@ def torch_waits_briefly() -> bool:
         return bool(raw) and int(raw) <= BRIEF_SPIN_MAX
     except ValueError:
         return False
+
+
+# --- autohc's teams on torch's OpenMP threads (templates/runtime/omp_team.c.j2) -----------
+#
+# AUTOHC_TEAM chooses where a kernel's team of threads runs:
+#   omp   (default) an OpenMP parallel region of torch's own libgomp: one set of worker threads
+#         for torch's ops and autohc's kernels, so install() leaves torch all its threads and
+#         nothing spins against anything (measured: docs/override.md, "Threads").
+#   pool  autohc's own pthread pool (runtime/pool.py), as before; install() then gives torch's
+#         ops one thread unless its workers wait briefly (the spin settings above).
+TEAMS = ("omp", "pool")
+
+
+def team_kind() -> str:
+    """AUTOHC_TEAM, read each time (a bad value is one clear line)."""
+    raw = os.environ.get("AUTOHC_TEAM", "").strip().lower() or "omp"
+    if raw not in TEAMS:
+        raise ValueError(f"AUTOHC_TEAM={raw!r}: expected one of {', '.join(TEAMS)}")
+    return raw
+
+
+_team: list = []                # the built library, once (a list: no global statement)
+
+
+def team_library(fallback_address: int):
+    """The OpenMP team runner, built once with -fopenmp after torch (so its libgomp) is
+    loaded, its fallback set to `fallback_address` (autohc_pool_run) and its threads to the
+    CPU plan's compute cores."""
+    if not _team:
+        import torch  # noqa: F401  (first: the loader then binds libgomp.so.1 to torch's)
+
+        from ..build import build
+        from ..kernels.family import exported_declarations
+        from ..kernels.render import environment
+        from . import plan
+        src = environment().get_template("runtime/omp_team.c.j2").render()
+        lib = build(src, exported_declarations(src), ("-fopenmp",), meta={"op": "runtime", "team": "omp"})
+        cpus = list(plan.current().compute)
+        lib.lib.autohc_omp_setup(lib.ffi.cast("void *", fallback_address),
+                                 lib.ffi.new("int[]", cpus), len(cpus))
+        _team.append(lib)
+    return _team[0]
+
+
+def team_run_address(fallback_address: int) -> int:
+    lib = team_library(fallback_address)
+    return int(lib.ffi.cast("uintptr_t", lib.ffi.addressof(lib.lib, "autohc_omp_run")))
+
+
+def team_fallbacks() -> int:
+    """Jobs the OpenMP runner handed to the pool (0 where it was never built)."""
+    return int(_team[0].lib.autohc_omp_fallbacks()) if _team else 0

@@ -232,8 +232,9 @@ def one_thread_hint(n: int) -> str:
     return (f"autohc.install: torch's own ops run on 1 thread instead of {n} while installed, "
             "because torch's OpenMP workers spin for milliseconds after each op (libgomp's "
             "default) and would take the cores from autohc's kernels; torch.compile's code "
-            "compiled meanwhile keeps 1 thread. Set GOMP_SPINCOUNT=10000 before torch is "
-            "imported (autohc.runtime.omp.prefer_short_spin()) to keep all threads.")
+            "compiled meanwhile keeps 1 thread. AUTOHC_TEAM=pool chose autohc's own threads; "
+            "unset it (the kernels then run on torch's threads), or set GOMP_SPINCOUNT=10000 "
+            "before torch is imported, to keep all threads.")
 
 
 def install(threads: int | None = None, torch_threads: int | str | None = "auto",
@@ -245,11 +246,12 @@ def install(threads: int | None = None, torch_threads: int | str | None = "auto"
         at most the CPU plan's compute cores: a core kept for AutoMem's or the all-reduce's
         helper thread, AUTOHC_MEMORY_CORES / AUTOHC_COMM_CORES, is not computed on).
     torch_threads: torch's own intra-op threads while installed; None leaves them. "auto"
-        (default): leave them where torch's OpenMP workers wait briefly after each op
-        (GOMP_SPINCOUNT <= 100000 or OMP_WAIT_POLICY=PASSIVE set before torch was imported,
-        as `autohc train` does), else 1: with libgomp's default spin, torch's idle workers
-        take the cores from autohc's kernels (measured: runtime/omp.py). uninstall()
-        restores the setting.
+        (default): leave them, since autohc's kernels run on torch's own OpenMP threads
+        (AUTOHC_TEAM=omp, the default: runtime/omp.py). With AUTOHC_TEAM=pool (autohc's
+        own threads) "auto" leaves them only where torch's OpenMP workers wait briefly after
+        each op (GOMP_SPINCOUNT <= 100000 or OMP_WAIT_POLICY=PASSIVE set before torch was
+        imported), else sets 1: with libgomp's default spin, torch's idle workers take the
+        cores from the pool's. uninstall() restores the setting.
     first_use_tuning: race a few candidates from this CPU's per-microarchitecture table the
         first time a GEMM problem with no registry entry is met, and record the winner
         (tune/first_use.py; a few seconds per problem, the default kernel meanwhile).
@@ -258,8 +260,8 @@ def install(threads: int | None = None, torch_threads: int | str | None = "auto"
     if not isinstance(first_use_tuning, bool):
         raise TypeError(f"autohc.install: first_use_tuning must be True or False, got {first_use_tuning!r}")
     auto = torch_threads == "auto"
-    if auto:
-        torch_threads = None if omp.torch_waits_briefly() else 1
+    if auto:    # one set of threads (AUTOHC_TEAM=omp), or torch's waiting briefly: leave them
+        torch_threads = None if omp.team_kind() == "omp" or omp.torch_waits_briefly() else 1
     _positive("torch_threads", torch_threads)
     with _lock:
         if _state["lib"] is None:
