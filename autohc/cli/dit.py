@@ -20,6 +20,7 @@ TRAIN_EPILOG = """examples:
   autohc train --data digits --steps 4000 --out runs/digits --resume   # continue to 4000 steps
   autohc train --model DiT-XL/2 --data npy:latents.npy --batch 8 --lr 1e-4 --out runs/xl
   autohc train --model DiT-S/2 --data folder:imgs/ --image-size 32 --no-autohc --out runs/s
+  autohc train --data digits --precision auto --out runs/digits-bf16   # bf16 where the CPU has it
 latent DiT (images -> VAE latents once -> train -> decoded samples), and fine-tuning:
   autohc encode --data folder:imgs/ --vae stabilityai/sd-vae-ft-ema --image-size 256 --out latents/
   autohc train --model DiT-XL/2 --data latents:latents/ --batch 8 --lr 1e-4 --out runs/xl
@@ -71,6 +72,12 @@ def add_parsers(sub, bsub) -> None:
     t.add_argument("--out", default="runs/dit", help="run folder (default: runs/dit)")
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
     t.add_argument("--no-autohc", action="store_true", help="stock torch kernels and torch.optim.AdamW")
+    t.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "auto"],
+                   help="fp32 (default), or bf16 mixed precision: the forward under "
+                        "torch.autocast('cpu', bfloat16) (bf16 GEMMs and attention, fp32 sums), "
+                        "master weights, AdamW and EMA in fp32, checkpoints as for fp32; auto: bf16 "
+                        "where the CPU multiplies bf16 in hardware (AMX, AVX512_BF16), else fp32. "
+                        "The log says which ran and why")
     t.add_argument("--no-comm-thread", action="store_true",
                    help="data parallel: all-reduce on gloo's own threads instead of autohc's "
                         "communication thread (pinned to the CPU plan's comm core; MPI under mpirun)")
@@ -242,7 +249,7 @@ def _train_in_group(args, launch) -> int:
                       rank=launch.rank, world=launch.world,
                       comm="gloo" if args.no_comm_thread else "thread", log_every=args.log_every,
                       automem=args.automem, cftp=args.cftp, automem_state=args.automem_state,
-                      init=args.init, extra={"resume": args.resume})
+                      init=args.init, precision=args.precision, extra={"resume": args.resume})
     if cfg.model is None and not (args.init or args.resume):
         cfg.model = "DiT-Ti/2"
     try:
@@ -259,6 +266,8 @@ def _train_in_group(args, launch) -> int:
               + ("on gloo's threads" if cfg.comm == "gloo" else
                  f"on a communication thread ({'MPI' if trainer.comm_hook.use_mpi else 'gloo'}, "
                  f"core {trainer.comm_hook.core})"), file=sys.stderr)
+    if launch.rank == 0:
+        print(f"autohc: precision {trainer.precision}: {trainer.precision_why}", file=sys.stderr)
     if trainer.resumed_from:
         print(f"autohc: resuming from {trainer.resumed_from} (step {trainer.step})", file=sys.stderr)
     if trainer.step >= cfg.steps:
@@ -298,6 +307,7 @@ def _train_in_group(args, launch) -> int:
     summary.update(out=str(out), losses_png=str(out / "losses.png"),
                    samples_png=str(out / "samples.png") if args.samples_per_class else None,
                    model=cfg.model, batch=args.batch, autohc=not args.no_autohc,
+                   precision=trainer.precision,
                    threads=kernel_threads())
     if (rec := getattr(args, "recorder", None)) is not None:
         print(f"autohc: result saved to {rec.save(summary, threads=summary['threads'])}", file=sys.stderr)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint, data as datalib
+from . import checkpoint, data as datalib, precision
 from .diffusion import GaussianDiffusion
 from .model import DiT, config as model_config
 
@@ -60,6 +60,7 @@ class TrainConfig:
     cftp: int | None = None             # CFTP thread clusters (0: one per NUMA node); None: off
     automem_state: bool = False         # AutoMem also for the optimizer state, between steps
     init: str | None = None             # start from these weights (autohc, facebookresearch/DiT, diffusers)
+    precision: str = "fp32"             # fp32, bf16 (autocast, fp32 master weights) or auto (dit/precision.py)
     extra: dict = field(default_factory=dict)
 
 
@@ -133,6 +134,7 @@ class Trainer:
             if diff:
                 raise ValueError(f"--resume: {resumed[0]} was trained with a different setup: "
                                  + ", ".join(f"{k} {a!r} (now {b!r})" for k, (a, b) in diff.items()))
+        self.precision, self.precision_why = precision.resolve(cfg.precision)
         torch.manual_seed(cfg.seed)
         self.model = build_model(self.arch, autohc_ops(cfg.autohc))
         ema_weights = self._load_init(init) if init else None
@@ -298,7 +300,8 @@ class Trainer:
         noise = torch.randn((B, *x.shape[1:]), generator=self.gen)[mine]
         draws = torch.rand(B)[mine] if self.cfg.class_dropout > 0 else None
         with self.automem if self.automem is not None else contextlib.nullcontext():
-            loss = self.diffusion.training_loss(self.forward, x, t, y, noise, drop_draws=draws)
+            with precision.autocast(self.precision):    # bf16: the forward only, as torch advises
+                loss = self.diffusion.training_loss(self.forward, x, t, y, noise, drop_draws=draws)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()                     # (the moments start back mid-backward)
         if self.state_offload is not None:

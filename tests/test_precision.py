@@ -1,0 +1,81 @@
+"""Training precision (autohc/dit/precision.py, `autohc train --precision`): which precision
+runs and why, bf16 mixed precision with fp32 master weights, resume bit-identical."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import autohc
+from autohc.dit import checkpoint, precision
+from autohc.dit.train import TrainConfig, Trainer
+from autohc.hw import cpu
+
+
+def _cfg(out, steps, **kw):
+    args = dict(model="DiT-Ti/8", data="digits", steps=steps, batch=16, out=str(out), lr=1e-3,
+                ckpt_every=3, keep=2, precision="bf16")
+    args.update(kw)
+    return TrainConfig(**args)
+
+
+def test_auto_picks_bf16_only_on_bf16_hardware(monkeypatch):
+    monkeypatch.setattr(cpu, "bf16_isa", lambda info=None: ("avx2", "no AVX512_BF16 or AMX on this CPU: widened"))
+    p, why = precision.resolve("auto")
+    assert p == "fp32" and "no AVX512_BF16 or AMX" in why
+    p, why = precision.resolve("bf16")           # still runs, and says it is emulated
+    assert p == "bf16" and "though no AVX512_BF16" in why
+    monkeypatch.setattr(cpu, "bf16_isa", lambda info=None: ("avx512bf16", "AVX512_BF16 dot products"))
+    assert precision.resolve("auto") == ("bf16", "auto: AVX512_BF16 dot products")
+    monkeypatch.setattr(cpu, "bf16_isa", lambda info=None: ("amx", "AMX-BF16 tiles"))
+    assert precision.resolve("auto")[0] == "bf16"
+    assert precision.resolve("fp32")[0] == "fp32"
+    with pytest.raises(ValueError, match="--precision 'fp16': expected one of fp32, bf16, auto"):
+        precision.resolve("fp16")
+
+
+def test_bf16_trains_with_fp32_master_weights_and_resumes_bit_identically(tmp_path):
+    """The forward in bf16 (the GEMMs see bf16), weights, gradients, AdamW moments and EMA in
+    fp32; 6 steps in one go = 3 + --resume 3, exactly; and the losses are not fp32's."""
+    seen = []
+
+    def spy(mod, inputs, output):
+        seen.append(output.dtype)
+    with autohc.installed():
+        full = Trainer(_cfg(tmp_path / "full", 6))
+        hook = next(m for m in full.model.modules() if isinstance(m, torch.nn.Linear)).register_forward_hook(spy)
+        full.run(progress=False)
+        hook.remove()
+        part = Trainer(_cfg(tmp_path / "part", 3))
+        part.run(progress=False)
+        more = Trainer(_cfg(tmp_path / "part", 6, extra={"resume": True}))
+        assert more.step == 3
+        more.run(progress=False)
+        fp32 = Trainer(_cfg(tmp_path / "fp32", 6, precision="fp32"))
+        fp32.run(progress=False)
+    assert set(seen) == {torch.bfloat16}                        # autocast reached the Linears
+    assert more.losses == full.losses                           # exact, not close
+    assert full.losses != fp32.losses
+    assert max(abs(a - b) / b for a, b in zip(full.losses, fp32.losses)) < 0.05   # same run, bf16 sums
+    s = checkpoint.latest(tmp_path / "full")[1]
+    assert all(v.dtype == torch.float32 for v in s["model"].values() if v.is_floating_point())
+    assert all(v.dtype == torch.float32 for v in s["ema"].values() if v.is_floating_point())
+    assert all(p.grad is None or p.grad.dtype == torch.float32 for p in full.model.parameters())
+    assert s["config"]["precision"] == "bf16"
+
+
+def test_cli_says_which_precision_and_why(tmp_path):
+    env = {**os.environ, "COLUMNS": "120"}
+    r = subprocess.run([sys.executable, "-m", "autohc.cli", "train", "--model", "DiT-Ti/8", "--steps", "2",
+                        "--batch", "8", "--precision", "auto", "--samples-per-class", "0", "--json",
+                        "--no-progress", "--out", str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    want, why = precision.resolve("auto")
+    assert f"autohc: precision {want}: {why}" in r.stderr
+    assert json.loads(r.stdout)["precision"] == want
+    r = subprocess.run([sys.executable, "-m", "autohc.cli", "train", "--precision", "fp8",
+                        "--out", str(tmp_path / "bad")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "--precision" in r.stderr and not (tmp_path / "bad").exists()
