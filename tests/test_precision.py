@@ -79,3 +79,21 @@ def test_cli_says_which_precision_and_why(tmp_path):
     r = subprocess.run([sys.executable, "-m", "autohc.cli", "train", "--precision", "fp8",
                         "--out", str(tmp_path / "bad")], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "--precision" in r.stderr and not (tmp_path / "bad").exists()
+
+
+def test_bench_step_bf16_modes_run_under_autocast():
+    """`bench step --precision bf16`: the -bf16 modes train under autocast, each compared with
+    stock autocast's losses, with autohc-bf16's speedups and % of the bf16 peak reported."""
+    from autohc.bench.step import bench_step, mode_parts
+    assert mode_parts("autohc-bf16+compile") == ("autohc+compile", "bf16")
+    assert mode_parts("compiled") == ("compiled", "fp32")
+    r = bench_step("DiT-Ti/8", 2, image_size=16, steps=3, warmup=1,
+                   modes=["stock", "stock-bf16", "autohc-bf16"])
+    assert r["max_loss_rel_diff_bf16"] < 2e-2 and r["max_loss_rel_diff"] == 0.0
+    assert r["losses"]["stock-bf16"] != r["losses"]["stock"]       # autocast did change the math
+    assert set(r["bf16_speedups"]) == {"autohc-bf16 vs stock-bf16", "autohc-bf16 vs stock"}
+    assert all(v > 0 for v in r["bf16_speedups"].values())
+    if cpu.bf16_isa()[0] in ("amx", "avx512bf16"):
+        assert set(r["pct_bf16_peak"]) == {"stock-bf16", "autohc-bf16"}
+    else:
+        assert r["pct_bf16_peak"] is None

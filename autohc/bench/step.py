@@ -23,6 +23,7 @@ import time
 import psutil
 import torch
 
+from ..dit import precision
 from ..dit.diffusion import GaussianDiffusion
 from ..hw import cpu
 from ..dit.model import config
@@ -33,7 +34,16 @@ from . import timing
 from .peak import fma_peak_gflops
 
 
-MODES = ("stock", "compiled", "autohc", "autohc+compile")
+MODES = ("stock", "compiled", "autohc", "autohc+compile",
+         # the same four with the forward under torch.autocast bf16 (fp32 master weights)
+         "stock-bf16", "compiled-bf16", "autohc-bf16", "autohc-bf16+compile")
+FP32_MODES = MODES[:4]
+BF16_MODES = ("stock", "stock-bf16", "compiled-bf16", "autohc-bf16", "autohc-bf16+compile")
+
+
+def mode_parts(name: str) -> tuple[str, str]:
+    """'autohc-bf16+compile' -> ('autohc+compile', 'bf16'); 'stock' -> ('stock', 'fp32')."""
+    return (name.replace("-bf16", ""), "bf16") if "-bf16" in name else (name, "fp32")
 
 
 def synthetic_model(model: str, image_size: int, fused_ops=None, class_dropout: float = 0.1):
@@ -57,14 +67,15 @@ class _Mode:
         self.install_kw = install_kw or {}
         torch.manual_seed(seed)
         self.name = name
-        self.on_autohc = name in ("autohc", "autohc+compile")
-        self.model = synthetic_model(model_name, image_size, autohc_ops(name == "autohc"))
+        base, self.precision = mode_parts(name)
+        self.on_autohc = base in ("autohc", "autohc+compile")
+        self.model = synthetic_model(model_name, image_size, autohc_ops(base == "autohc"))
         self.opt = make_optimizer([p for p in self.model.parameters() if p.requires_grad], lr=1e-4,
                                   weight_decay=0.0, use_autohc=self.on_autohc)
         # autohc+compile: inductor compiles the stock model and fuses its element-wise work;
         # its GEMMs (mm.out / addmm.out) and attention (the flash op) reach autohc's kernels
         # at run time, through install()
-        compiled = name in ("compiled", "autohc+compile")
+        compiled = base in ("compiled", "autohc+compile")
         self.forward = torch.compile(self.model) if compiled else self.model
         self.diffusion = GaussianDiffusion()
         self.gen = torch.Generator().manual_seed(seed + 1)
@@ -79,7 +90,8 @@ class _Mode:
         ctx = override.installed(**self.install_kw) if self.on_autohc else contextlib.nullcontext()
         with ctx:
             t0 = time.perf_counter()
-            loss = self.diffusion.training_loss(self.forward, x, t, y, noise)
+            with precision.autocast(self.precision):
+                loss = self.diffusion.training_loss(self.forward, x, t, y, noise)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             self.opt.step()
@@ -173,6 +185,18 @@ def step_flops_by_class(model: str, batch: int, image_size: int) -> dict:
     return out
 
 
+def _pct_bf16_peak(flops: float, med: dict) -> dict | None:
+    """% of the bf16 peak (times the threads) of the -bf16 modes; None without any, or on a
+    CPU without bf16 hardware."""
+    from .peak import bf16_peak_gflops
+    isa = cpu.bf16_isa()[0]
+    names = [n for n in med if mode_parts(n)[1] == "bf16"]
+    if not names or isa not in ("amx", "avx512bf16"):
+        return None
+    peak = bf16_peak_gflops("tile" if isa == "amx" else "dot") * torch.get_num_threads()
+    return {n: round(100 * flops / med[n] / 1e9 / peak, 1) for n in names}
+
+
 def bench_step(model: str, batch: int, *, image_size: int = 32, steps: int = 10, warmup: int = 2,
                modes=MODES, threads: int | None = None,
                torch_threads: int | None = None, first_use_tuning: bool = True, profile: bool = False,
@@ -228,11 +252,15 @@ def _bench(model, batch, image_size, steps, warmup, modes, say, install_kw, prof
     summary = {r.name: timing.summarize(r.times[warmup:]) for r in runs}
     med = {name: t.median for name, t in summary.items()}
     losses = {r.name: r.losses for r in runs}
-    ref = losses.get("stock")
-    diff = 0.0
-    if ref:
-        for name, ls in losses.items():
-            diff = max([diff] + [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ls, ref)])
+    # each mode against stock of its precision (bf16 modes: stock autocast)
+    diff, diff_bf16 = 0.0, 0.0
+    for name, ls in losses.items():
+        ref = losses.get("stock-bf16" if mode_parts(name)[1] == "bf16" else "stock")
+        d = max([0.0] + [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ls, ref or ())])
+        if mode_parts(name)[1] == "bf16":
+            diff_bf16 = max(diff_bf16, d)
+        else:
+            diff = max(diff, d)
     out = {"model": model, "batch": batch, "image_size": image_size, "threads": torch.get_num_threads(),
            "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),   # torch's OpenMP wait (cli)
            "timed_steps": steps - warmup, "interleaved": interleave,
@@ -248,9 +276,16 @@ def _bench(model, batch, image_size, steps, warmup, modes, say, install_kw, prof
            "step_gflop": round(flops / 1e9, 2), "peak_gflops": round(peak, 1),
            "gflops": {name: round(flops / t / 1e9, 1) for name, t in med.items()},
            "pct_peak": {name: round(100 * flops / t / 1e9 / peak, 1) for name, t in med.items()},
+           # the -bf16 modes against the CPU's bf16 peak too (dot products; tiles on AMX)
+           "pct_bf16_peak": _pct_bf16_peak(flops, med),
            "first_use_race_s": round(first_use.spent()["race_s"] - spent0["race_s"], 2),
            "first_use_build_s": round(first_use.spent()["build_s"] - spent0["build_s"], 2),
            "max_loss_rel_diff": diff, "peak_rss_gb": peak_rss_gb(), "losses": losses,
+           "max_loss_rel_diff_bf16": diff_bf16 if any("-bf16" in n for n in med) else None,
+           # autohc-bf16 (and +compile) against stock autocast, compiled autocast and stock fp32
+           "bf16_speedups": {f"{a} vs {b}": med[b] / med[a]
+                             for a in ("autohc-bf16", "autohc-bf16+compile")
+                             for b in ("stock-bf16", "compiled-bf16", "stock") if {a, b} <= med.keys()},
            "step_times": {r.name: r.times for r in runs}}
     if profile:
         # the GEMMs' and attention's own rate inside the profiled step: their flops over the

@@ -13,7 +13,9 @@ from .argtypes import non_negative_int, positive_float, positive_int, unit_inter
 
 # bench/step.py's MODES, spelled here so that parsing the command line does not import torch
 # (autohc train sets torch's OpenMP spin before torch loads); a test keeps the two equal
-STEP_MODES = ("stock", "compiled", "autohc", "autohc+compile")
+STEP_MODES = ("stock", "compiled", "autohc", "autohc+compile",
+              "stock-bf16", "compiled-bf16", "autohc-bf16", "autohc-bf16+compile")
+STEP_BF16_MODES = ("stock", "stock-bf16", "compiled-bf16", "autohc-bf16", "autohc-bf16+compile")
 
 TRAIN_EPILOG = """examples:
   autohc train --data digits --out runs/digits        # the laptop default: DiT-Ti/2, 2000 steps (time per CPU: docs/results.md)
@@ -167,10 +169,16 @@ def add_parsers(sub, bsub) -> None:
     b.add_argument("--image-size", type=positive_int, default=32, help="latent size (default: 32 = 256px)")
     b.add_argument("--steps", type=positive_int, default=10, help="steps per mode (default: 10)")
     b.add_argument("--warmup", type=positive_int, default=2, help="of which untimed (default: 2)")
-    b.add_argument("--modes", nargs="+", choices=list(STEP_MODES), default=list(STEP_MODES),
-                   help="what to run (default: all four); autohc+compile is torch.compile under "
+    b.add_argument("--modes", nargs="+", choices=list(STEP_MODES), default=None,
+                   help="what to run (default: the four fp32 ones, or with --precision bf16 stock "
+                        "fp32 and the four -bf16 ones); autohc+compile is torch.compile under "
                         "install(): inductor's GEMMs and attention on autohc, its fused code for "
-                        "the element-wise rest")
+                        "the element-wise rest; a -bf16 mode runs its forward under "
+                        "torch.autocast bf16 with fp32 master weights")
+    b.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="the default modes: fp32 (default), or bf16: stock fp32, stock autocast, "
+                        "compiled autocast, autohc-bf16 and autohc-bf16+compile, with "
+                        "autohc-bf16's speedups over each")
     b.add_argument("--threads", type=positive_int, default=None, help="threads (default: every usable CPU)")
     b.add_argument("--torch-threads", type=positive_int, default=None,
                    help="torch's own threads while autohc is installed (default: install()'s)")
@@ -365,8 +373,9 @@ def cmd_eval(args) -> int:
 def cmd_bench_step(args) -> int:
     from ..bench.step import bench_step
     rec = recorder("step", args)
+    modes = args.modes or list(STEP_BF16_MODES if args.precision == "bf16" else STEP_MODES[:4])
     r = bench_step(args.model, args.batch, image_size=args.image_size, steps=args.steps,
-                   warmup=args.warmup, modes=args.modes, threads=args.threads,
+                   warmup=args.warmup, modes=modes, threads=args.threads,
                    torch_threads=args.torch_threads, first_use_tuning=not args.no_first_use_tuning,
                    profile=args.profile, progress=lambda m: print(m, file=sys.stderr, flush=True))
     if rec is not None:
@@ -376,9 +385,10 @@ def cmd_bench_step(args) -> int:
         return 0
     print(f"{r['model']} batch {r['batch']}, {r['threads']} threads, median of {r['timed_steps']} steps:")
     print(f"  ({r['step_gflop']:.1f} GFLOP per step in GEMMs and attention; FMA peak {r['peak_gflops']:.0f} GFLOP/s)")
-    for m in args.modes:
-        print(f"  {m:15s} {r['step_s'][m]:.3f} s/step  {r['gflops'][m]:7.1f} GFLOP/s  "
-              f"{r['pct_peak'][m]:4.1f}% of peak")
+    for m in modes:
+        bf16 = (r.get("pct_bf16_peak") or {}).get(m)
+        print(f"  {m:20s} {r['step_s'][m]:.3f} s/step  {r['gflops'][m]:7.1f} GFLOP/s  "
+              f"{r['pct_peak'][m]:4.1f}% of peak" + (f" ({bf16:.1f}% of the bf16 peak)" if bf16 else ""))
     for k in ("speedup_vs_stock", "speedup_vs_compiled"):
         if r.get(k) is not None:
             print(f"  autohc {k.replace('_', ' ')}: {r[k]:.2f}x")
@@ -387,6 +397,11 @@ def cmd_bench_step(args) -> int:
     if r.get("first_use_race_s") or r.get("first_use_build_s"):
         print(f"  first-use tuning: {r['first_use_race_s']:.1f} s of races in the warm-up steps or "
               f"between steps, {r['first_use_build_s']:.1f} s of compiles beside them")
+    for k, v in (r.get("bf16_speedups") or {}).items():
+        print(f"  {k}: {v:.2f}x")
+    if r.get("max_loss_rel_diff_bf16") is not None:
+        print(f"  max relative loss difference of the -bf16 modes vs stock-bf16 over {args.steps} steps: "
+              f"{r['max_loss_rel_diff_bf16']:.2e}")
     print(f"  max relative loss difference vs stock over {args.steps} steps: {r['max_loss_rel_diff']:.2e}; "
           f"peak RSS {r['peak_rss_gb']:.2f} GB")
     if r.get("profile"):
