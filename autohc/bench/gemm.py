@@ -128,12 +128,11 @@ def bench_gemm(model: str = "dit-xl", threads: int = 1, *, repeats: int = 7, pro
     that time reported apart (`tuning_s`), then what matmul runs after it is timed.
     dtype bf16: the bf16 kernels (tuned with `autohc tune --dtype bf16`, else the default) on
     this CPU's bf16 back-end, % of its bf16 peak (the tile peak on AMX, else the dot one)."""
-    from .peak import bf16_peak_gflops, fma_peak_gflops
+    from .peak import bf16_backend_peak, fma_peak_gflops
     extra = {}
     if dtype == "bf16":
         isa, why = cpu.bf16_isa()
-        kind = "tile" if isa == "amx" else "dot"
-        peak = bf16_peak_gflops(kind) if isa in ("amx", "avx512bf16") else None
+        peak, kind = bf16_backend_peak(isa)
         if peak is None:        # the widened fallback: its ceiling is the fp32 one
             peak = fma_peak_gflops(isa)
             kind = "fp32 fma"

@@ -67,6 +67,13 @@ def bf16_peak_gflops(kind: str, seconds: float = 0.2) -> float | None:
     return max(run(iters) for _ in range(5))
 
 
+def bf16_backend_peak(isa: str) -> tuple[float | None, str]:
+    """(one core's bf16 peak, its kind) for the bf16 GEMMs' back-end `isa` (hw.cpu.bf16_isa):
+    the tile peak on AMX, the dot-product one on AVX512_BF16; (None, "") for any other."""
+    kind = {"amx": "tile", "avx512bf16": "dot"}.get(isa)
+    return (bf16_peak_gflops(kind), kind) if kind else (None, "")
+
+
 def bf16_peak_summary() -> dict:
     """Both bf16 peaks, the back-end bf16 GEMMs get on this CPU (the fastest runnable one), and
     why, in a sentence."""

@@ -37,8 +37,6 @@ from .peak import fma_peak_gflops
 MODES = ("stock", "compiled", "autohc", "autohc+compile",
          # the same four with the forward under torch.autocast bf16 (fp32 master weights)
          "stock-bf16", "compiled-bf16", "autohc-bf16", "autohc-bf16+compile")
-FP32_MODES = MODES[:4]
-BF16_MODES = ("stock", "stock-bf16", "compiled-bf16", "autohc-bf16", "autohc-bf16+compile")
 
 
 def mode_parts(name: str) -> tuple[str, str]:
@@ -191,13 +189,12 @@ def step_flops_by_class(model: str, batch: int, image_size: int) -> dict:
 def _pct_bf16_peak(flops: float, med: dict) -> dict | None:
     """% of the bf16 peak (times the threads) of the -bf16 modes; None without any, or on a
     CPU without bf16 hardware."""
-    from .peak import bf16_peak_gflops
-    isa = cpu.bf16_isa()[0]
+    from .peak import bf16_backend_peak
     names = [n for n in med if mode_parts(n)[1] == "bf16"]
-    if not names or isa not in ("amx", "avx512bf16"):
+    peak = bf16_backend_peak(cpu.bf16_isa()[0])[0] if names else None
+    if peak is None:
         return None
-    peak = bf16_peak_gflops("tile" if isa == "amx" else "dot") * torch.get_num_threads()
-    return {n: round(100 * flops / med[n] / 1e9 / peak, 1) for n in names}
+    return {n: round(100 * flops / med[n] / 1e9 / (peak * torch.get_num_threads()), 1) for n in names}
 
 
 def bench_step(model: str, batch: int, *, image_size: int = 32, steps: int = 10, warmup: int = 2,
@@ -256,14 +253,11 @@ def _bench(model, batch, image_size, steps, warmup, modes, say, install_kw, prof
     med = {name: t.median for name, t in summary.items()}
     losses = {r.name: r.losses for r in runs}
     # each mode against stock of its precision (bf16 modes: stock autocast)
-    diff, diff_bf16 = 0.0, 0.0
+    diff = {"fp32": 0.0, "bf16": 0.0}
     for name, ls in losses.items():
-        ref = losses.get("stock-bf16" if mode_parts(name)[1] == "bf16" else "stock")
-        d = max([0.0] + [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ls, ref or ())])
-        if mode_parts(name)[1] == "bf16":
-            diff_bf16 = max(diff_bf16, d)
-        else:
-            diff = max(diff, d)
+        prec = mode_parts(name)[1]
+        ref = losses.get("stock-bf16" if prec == "bf16" else "stock")
+        diff[prec] = max([diff[prec]] + [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ls, ref or ())])
     out = {"model": model, "batch": batch, "image_size": image_size, "threads": torch.get_num_threads(),
            "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),   # torch's OpenMP wait (cli)
            "timed_steps": steps - warmup, "interleaved": interleave,
@@ -283,8 +277,9 @@ def _bench(model, batch, image_size, steps, warmup, modes, say, install_kw, prof
            "pct_bf16_peak": _pct_bf16_peak(flops, med),
            "first_use_race_s": round(first_use.spent()["race_s"] - spent0["race_s"], 2),
            "first_use_build_s": round(first_use.spent()["build_s"] - spent0["build_s"], 2),
-           "max_loss_rel_diff": diff, "peak_rss_gb": peak_rss_gb(), "losses": losses,
-           "max_loss_rel_diff_bf16": diff_bf16 if any("-bf16" in n for n in med) else None,
+           "max_loss_rel_diff": diff["fp32"], "peak_rss_gb": peak_rss_gb(), "losses": losses,
+           "max_loss_rel_diff_bf16": (diff["bf16"] if any(mode_parts(n)[1] == "bf16" for n in med)
+                                      else None),
            # autohc-bf16 (and +compile) against stock autocast, compiled autocast and stock fp32
            "bf16_speedups": {f"{a} vs {b}": med[b] / med[a]
                              for a in ("autohc-bf16", "autohc-bf16+compile")

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import contextlib
 
+from ..kernels.isa import BF16_ISAS
+
 PRECISIONS = ("fp32", "bf16", "auto")
-BF16_HARDWARE = ("amx", "avx512bf16")
 
 
 def resolve(precision: str, info=None) -> tuple[str, str]:
@@ -17,13 +18,13 @@ def resolve(precision: str, info=None) -> tuple[str, str]:
     from ..hw import cpu
     if precision not in PRECISIONS:
         raise ValueError(f"--precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
-    isa, isa_why = cpu.bf16_isa(info)
     if precision == "fp32":
         return "fp32", "asked for (--precision fp32)"
+    isa, isa_why = cpu.bf16_isa(info)
     if precision == "bf16":
-        return "bf16", ("asked for (--precision bf16); " + isa_why if isa in BF16_HARDWARE else
+        return "bf16", ("asked for (--precision bf16); " + isa_why if isa in BF16_ISAS else
                         "asked for (--precision bf16), though " + isa_why)
-    if isa in BF16_HARDWARE:
+    if isa in BF16_ISAS:
         return "bf16", f"auto: {isa_why}"
     return "fp32", f"auto: {isa_why}"
 
