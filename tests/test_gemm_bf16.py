@@ -346,3 +346,59 @@ def test_skinny_paths_adaln_shapes(isa):
                         out = c0.clone()
                         autohc.matmul(A, B, out=out, alpha=0.5, beta=-1.5, params=p, compute="bf16")
                         check_bf16(out, A, B, c0, 0.5, -1.5, f"{isa} t{threads} {layout} {m}x{k}x{n} {fa}{fb}")
+
+
+@pytest.mark.parametrize("isa", cpu.runnable_bf16_isas() or ["none"])
+def test_bf16_out_is_written_by_the_kernel_and_equals_fp32_rounded(isa):
+    """A bf16 C is written by the bf16 back-ends' own store (the last K panel rounds into it;
+    earlier panels' sums in an fp32 workspace): bit for bit the fp32 C of the same kernel
+    rounded to nearest even, on one and several K panels, the skinny paths, K = 0, a bias,
+    both loop orders, a C that is a column slice of a wider tensor (ldc > N)."""
+    if isa == "none":
+        pytest.skip("no bf16 back-end here: a bf16 C is rounded from an fp32 one (checked by the fuzz)")
+    from autohc.kernels.gemm.matmul import gemm_bf16_into
+    rng = random.Random(31)
+    for threads in (1, 2):
+        for a_outer in (False, True):
+            p = bf16_params(isa, threads, kc=64, a_outer=a_outer)
+            assert get_kernel(p).writes_bf16
+            for m, k, n in [(37, 64, 50), (61, 200, 97), (5, 130, 33), (130, 1, 17), (16, 64, 48), (9, 0, 7)]:
+                for layout in ("NT", "NN", "TN"):
+                    a, b = operands(layout, m, k, n, rng)
+                    a, b = a.to(torch.bfloat16), b if rng.random() < 0.5 else b.to(torch.bfloat16)
+                    wide = torch.full((m, n + 9), 7.0, dtype=torch.bfloat16)
+                    out = wide[:, 3:3 + n]
+                    autohc.matmul(a, b, out=out, alpha=-0.75, params=p, compute="bf16")
+                    f32 = autohc.matmul(a, b, out=torch.empty(m, n), alpha=-0.75, params=p, compute="bf16")
+                    what = f"{isa} t{threads} a_outer={a_outer} {layout} {m}x{k}x{n}"
+                    assert torch.equal(out, f32.to(torch.bfloat16)), what
+                    assert (wide[:, :3] == 7).all() and (wide[:, 3 + n:] == 7).all(), what + ": wrote outside C"
+                    bias = torch.randn(n)
+                    out_b = torch.empty(m, n, dtype=torch.bfloat16)
+                    assert gemm_bf16_into(a, b, out_b, 0.5, threads, bias, -2.0)
+                    ref = autohc.matmul(a, b, out=(-2.0 * bias).expand(m, n).contiguous(), alpha=0.5,
+                                        beta=1.0, compute="bf16")
+                    err = (out_b.float() - ref).abs() <= 2.0 ** -8 * ref.abs() + 1e-6
+                    assert err.all(), what + " bias"
+
+
+def test_bf16_out_nan_and_rounding_of_the_store():
+    """The store rounds the fp32 sum as torch does: nearest, ties to even; NaN and Inf kept.
+    Columns j: 1 + x_j with x_j exact in bf16, so the sums are exact in fp32 and the store
+    alone rounds (2^-8: a tie, down to 1; 3 * 2^-8: a tie, up to 1 + 2^-6)."""
+    isas = cpu.runnable_bf16_isas()
+    if not isas:
+        pytest.skip("no bf16 back-end here")
+    for threads in (1, 2):
+        p = bf16_params(isas[0], threads)
+        a = torch.ones(5, 2, dtype=torch.bfloat16)
+        b = torch.zeros(2, 37, dtype=torch.bfloat16)
+        b[0] = 1.0
+        b[1, :4] = torch.tensor([2.0 ** -8, 3 * 2.0 ** -8, float("inf"), float("nan")])
+        b[1, 4:] = torch.arange(33) * 2.0 ** -9
+        out = autohc.matmul(a, b, params=p)
+        exp = (a.double() @ b.double()).float().to(torch.bfloat16)
+        assert out.dtype == torch.bfloat16
+        assert (out[:, 0] == 1.0).all() and (out[:, 1] == 1.0 + 2.0 ** -6).all()
+        assert torch.isinf(out[:, 2]).all() and torch.isnan(out[:, 3]).all()
+        assert torch.equal(out[:, 4:], exp[:, 4:])

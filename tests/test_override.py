@@ -162,7 +162,7 @@ def test_ops_match_aten(op):
     assert close(got, ref, 140)
 
 
-@pytest.mark.parametrize("case", ["float64", "int64", "complex64", "zero-size", "tiny", "bf16"])
+@pytest.mark.parametrize("case", ["float64", "int64", "complex64", "zero-size", "tiny", "float16"])
 def test_fallback_is_aten_bit_for_bit(case):
     torch.manual_seed(2)
     mk = {
@@ -171,7 +171,7 @@ def test_fallback_is_aten_bit_for_bit(case):
         "complex64": lambda: (torch.randn(50, 60, dtype=torch.complex64), torch.randn(60, 40, dtype=torch.complex64)),
         "zero-size": lambda: (torch.randn(0, 60), torch.randn(60, 40)),
         "tiny": lambda: (torch.randn(3, 4), torch.randn(4, 5)),
-        "bf16": lambda: (torch.randn(50, 60).bfloat16(), torch.randn(60, 40).bfloat16()),
+        "float16": lambda: (torch.randn(50, 60).half(), torch.randn(60, 40).half()),
     }[case]
     a, b = mk()
     ref = a @ b
@@ -470,3 +470,80 @@ def test_train_asks_for_the_short_spin_before_torch_loads():
     assert run("bench", "gemm") == 3                    # its own wait policy (bench.PASSIVE_ENV)
     assert run("train", "--no-autohc") == 3
     assert run("eval", OMP_WAIT_POLICY="ACTIVE") == 3
+
+
+BF16_HW = override._bf16_served()
+
+
+@pytest.mark.skipif(not BF16_HW, reason="no bf16 back-end on this CPU: autocast stays on oneDNN")
+def test_autocast_linears_run_on_autohc_bf16_kernels():
+    """Under torch.autocast bf16 the Linears' addmm/mm (forward NT with the bias, dX NN, dW TN)
+    are served by the bf16 kernels writing bf16 C; results as stock autocast's within bf16
+    rounding; gradients of the fp32 parameters fp32."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(96, 200), nn.GELU(), nn.Linear(200, 96))
+    x = torch.randn(3, 41, 96, requires_grad=True)
+
+    def step():
+        x.grad = None
+        net.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = net(x)
+        y.float().square().mean().backward()
+        return [y.detach().float(), x.grad.clone(), net[0].weight.grad.clone(), net[2].bias.grad.clone()]
+
+    ref = step()
+    with autohc.installed():
+        before = counts()
+        got = step()
+        after = counts()
+    assert after["autohc"] - before["autohc"] == 6          # 2 forward, 2 x (dX, dW) backward
+    assert after["aten"] == before["aten"]
+    assert got[0].dtype == torch.float32 and net[0].weight.grad.dtype == torch.float32
+    for r, g in zip(ref, got):
+        assert ((r - g).abs().max() / r.abs().max()).item() < 2e-2
+
+
+@pytest.mark.skipif(not BF16_HW, reason="no bf16 back-end on this CPU: autocast stays on oneDNN")
+def test_bf16_gemms_autohc_does_not_take_go_to_aten_unchanged():
+    """A bf16 addmm whose inp is not one row (a full matrix), a bf16 bmm, mixed dtypes and
+    tiny products are ATen's: the same result as without install()."""
+    torch.manual_seed(1)
+    a, b = torch.randn(40, 64).bfloat16(), torch.randn(64, 48).bfloat16()
+    full = torch.randn(40, 48).bfloat16()
+    cases = [lambda: torch.addmm(full, a, b), lambda: torch.bmm(a[None], b[None]),
+             lambda: torch.mm(a[:4, :4], b[:4, :4]), lambda: torch.addmm(full[0], a, b, beta=0.5, alpha=2)]
+    refs = [f() for f in cases]
+    with autohc.installed():
+        before = counts()
+        for f, r in zip(cases[:3], refs):
+            assert torch.equal(f(), r)
+        after = counts()
+        assert after["autohc"] == before["autohc"] and after["aten"] - before["aten"] == 3
+        got = cases[3]()                  # a row bias with beta/alpha: served, bf16 rounding
+        assert counts()["autohc"] == after["autohc"] + 1
+    assert ((got.float() - refs[3].float()).abs().max() / refs[3].float().abs().max()).item() < 2e-2
+    with pytest.raises(RuntimeError):     # ATen's own error for a shape mismatch, unchanged
+        with autohc.installed():
+            torch.mm(a, a)
+
+
+@pytest.mark.skipif(not BF16_HW, reason="no bf16 back-end on this CPU: autocast stays on oneDNN")
+def test_autocast_under_torch_compile_reaches_the_bf16_kernels():
+    """torch.compile of an autocast region calls mm/addmm `.out` (or the functional forms) on
+    bf16 buffers: served too, with stock autocast's result within bf16 rounding."""
+    torch.manual_seed(2)
+    lin = nn.Linear(128, 256)
+    x = torch.randn(64, 128)
+
+    def f(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return torch.relu(lin(x))
+    with torch.no_grad():
+        ref = f(x)
+        with autohc.installed():
+            before = counts()
+            got = torch.compile(f)(x)
+            after = counts()
+    assert after["autohc"] > before["autohc"]
+    assert ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item() < 2e-2

@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="images per batch: M = images x 256 (default: 8, i.e. M = 2048)")
     g.add_argument("--repeats", type=positive_int, default=7, help="timed repeats (default: 7)")
     g.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
-                   help="bf16: autohc's bf16 kernels (bf16 inputs, fp32 C) against torch's bf16 "
+                   help="bf16: autohc's bf16 kernels (bf16 inputs and C) against torch's bf16 "
                         "matmul (oneDNN, bf16 C) and the fp32 libraries (MKL, OpenBLAS), with "
                         "%% of the bf16 peak; default fp32")
     g.add_argument("--json", action="store_true",

@@ -26,16 +26,20 @@ operands) decides what autohc takes; everything else is ATen's.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import warnings
 
 import torch
 
-from ..kernels.gemm.matmul import bmm_into, gemm_into
+from ..hw import cpu
+from ..kernels.gemm.matmul import bmm_into, gemm_bf16_into, gemm_into
+from ..kernels.isa import BF16_ISAS
 from ..runtime import omp
 from ..runtime import plan as cpu_plan
 from ..runtime.memory import fresh_empty
 from ..tune import first_use
+from ..kernels.gemm.kernel import KernelError
 from . import fallback
 from .attention import ATEN_IMPLS as ATTENTION_IMPLS
 from .ops import ATEN_IMPLS
@@ -51,17 +55,28 @@ _state = {"lib": None, "threads": None, "torch_threads_before": None, "told_one_
 stats = {"autohc": 0, "aten": 0}       # calls served by each, for tests and curiosity
 
 
-def _ok(*ts: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.layout == torch.strided and t.device.type == "cpu"
+def _ok(*ts: torch.Tensor, dtype=torch.float32) -> bool:
+    return all(t.dtype == dtype and t.layout == torch.strided and t.device.type == "cpu"
                and not t.is_quantized and not t.is_neg() for t in ts)
 
 
-def _serve(a: torch.Tensor, b: torch.Tensor, min_macs: int = MIN_MACS) -> bool:
-    if a.dim() != 2 or b.dim() != 2 or not _ok(a, b):
+def _serve(a: torch.Tensor, b: torch.Tensor, min_macs: int = MIN_MACS, dtype=torch.float32) -> bool:
+    if a.dim() != 2 or b.dim() != 2 or not _ok(a, b, dtype=dtype):
         return False
     m, k = a.shape
     n = b.shape[1]
     return b.shape[0] == k and m * n > 0 and m * n * k >= min_macs
+
+
+@functools.lru_cache(maxsize=None)
+def _bf16_served() -> bool:
+    """bf16 GEMMs (what torch.autocast runs linear/matmul in) are served where this CPU has a
+    bf16 back-end, whose kernels write a bf16 C themselves; elsewhere oneDNN's or ATen's."""
+    return cpu.bf16_isa()[0] in BF16_ISAS
+
+
+def _serve16(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return _serve(a, b, dtype=torch.bfloat16) and _bf16_served()
 
 
 def _real(*scalars) -> bool:
@@ -114,9 +129,9 @@ def _plus_ok(pair_ok: bool, inp, beta, alpha, shape) -> bool:
     return pair_ok and _ok(inp) and _real(beta, alpha) and _broadcasts(inp, shape())
 
 
-def _fits(out: torch.Tensor, shape, *inputs: torch.Tensor) -> bool:
-    """out is a float32 row-major result of `shape` sharing no memory with the inputs."""
-    if not (_ok(out) and tuple(out.shape) == tuple(shape) and out.is_contiguous()):
+def _fits(out: torch.Tensor, shape, *inputs: torch.Tensor, dtype=torch.float32) -> bool:
+    """out is a float32 (dtype) row-major result of `shape` sharing no memory with the inputs."""
+    if not (_ok(out, dtype=dtype) and tuple(out.shape) == tuple(shape) and out.is_contiguous()):
         return False
     mem = out.untyped_storage().data_ptr()
     return all(t.untyped_storage().data_ptr() != mem for t in inputs)
@@ -162,12 +177,40 @@ def _gemm(name: str, into, served: bool, out, x, y, inp=None, beta=0, alpha=1):
                               name, served=served)
 
 
+def _gemm16(name: str, out, x, y, inp=None, beta=0, alpha=1):
+    """The bf16 form of _gemm (mm and addmm of bfloat16 tensors, as torch.autocast runs a
+    Linear): out (bfloat16) := bf16(alpha * x @ y + beta * bias), by the bf16 kernels' own
+    bf16 store; a Linear's bias only (any other inp is ATen's, decided by the caller)."""
+    aten = _aten_out(f"{name}.out")
+    bias = None if inp is None else _row_bias(out, inp, beta)
+
+    def kernel():
+        if not gemm_bf16_into(x, y, out, float(alpha), kernel_threads(), bias, float(beta)):
+            raise KernelError("this CPU's bf16 back-end has no bf16 store")
+        return out
+
+    def at():
+        return aten(x, y, out=out) if inp is None else aten(inp, x, y, beta=beta, alpha=alpha, out=out)
+    return fallback.kernel_or(lambda: _autohc(kernel()), lambda: _aten(at()), name)
+
+
+def _plus16_ok(inp, m1, m2, beta, alpha) -> bool:
+    """addmm in bf16: the pair served and inp a Linear's bias (bf16 or fp32, one row)."""
+    return (_serve16(m1, m2) and _real(beta, alpha) and inp.device.type == "cpu"
+            and inp.dtype in (torch.bfloat16, torch.float32) and inp.layout == torch.strided
+            and inp.dim() in (1, 2) and inp.shape[-1] == m2.shape[1] and inp.numel() == m2.shape[1])
+
+
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if _serve16(a, b):
+        return _gemm16("mm", torch.empty(_mm_shape(a, b), dtype=torch.bfloat16), a, b)
     served = _serve(a, b)
     return _gemm("mm", gemm_into, served, _result(served, lambda: _mm_shape(a, b), a), a, b)
 
 
 def _addmm(inp: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
+    if _plus16_ok(inp, m1, m2, beta, alpha):
+        return _gemm16("addmm", torch.empty(_mm_shape(m1, m2), dtype=torch.bfloat16), m1, m2, inp, beta, alpha)
     served = _plus_ok(_serve(m1, m2), inp, beta, alpha, lambda: _mm_shape(m1, m2))
     return _gemm("addmm", gemm_into, served, _result(served, lambda: _mm_shape(m1, m2), m1),
                  m1, m2, inp, beta, alpha)
@@ -191,10 +234,14 @@ ATEN_OUT = {name: fallback.captured(name) for name in ("mm.out", "addmm.out", "b
 
 
 def _mm_out(a, b, *, out):
+    if _serve16(a, b) and _fits(out, _mm_shape(a, b), a, b, dtype=torch.bfloat16):
+        return _gemm16("mm", out, a, b)
     return _gemm("mm", gemm_into, _serve(a, b) and _fits(out, _mm_shape(a, b), a, b), out, a, b)
 
 
 def _addmm_out(inp, m1, m2, *, beta=1, alpha=1, out):
+    if _plus16_ok(inp, m1, m2, beta, alpha) and _fits(out, _mm_shape(m1, m2), m1, m2, inp, dtype=torch.bfloat16):
+        return _gemm16("addmm", out, m1, m2, inp, beta, alpha)
     served = (_plus_ok(_serve(m1, m2), inp, beta, alpha, lambda: _mm_shape(m1, m2))
               and _fits(out, _mm_shape(m1, m2), m1, m2, inp))
     return _gemm("addmm", gemm_into, served, out, m1, m2, inp, beta, alpha)

@@ -31,6 +31,9 @@ class GemmKernel:
         self._gemm = getattr(lib, f"{fn}_gemm")
         self._gemm_bias = getattr(lib, f"{fn}_gemm_bias")
         self._gemm_batched = getattr(lib, f"{fn}_gemm_batched")
+        # bf16 back-ends write a bf16 C themselves (the others: the caller rounds an fp32 C)
+        self._gemm_bf16c = getattr(lib, f"{fn}_gemm_bf16c", None)
+        self.writes_bf16 = self._gemm_bf16c is not None
         self._ffi = self.library.ffi
         self._bf16 = params.dtype == "bf16"    # A, B: void * and their element types said
         self._in_t = "void *" if self._bf16 else "float *"
@@ -56,6 +59,26 @@ class GemmKernel:
             rc = self._gemm_bias(M, N, K, alpha, a, rsa, csa, b, rsb, csb, beta,
                                  f.cast("float *", bias_ptr), c, ldc, *tail)
         _check(rc)
+
+    def run_bf16c(self, M: int, N: int, K: int, alpha: float, a_ptr: int, rsa: int, csa: int,
+                  b_ptr: int, rsb: int, csb: int, beta: float, bias_ptr: int | None, ws_ptr: int | None,
+                  cb_ptr: int, ldc: int, in_f32: int = 0) -> None:
+        """Cb := bf16(alpha AB + beta * bias) (no bias: alpha AB), Cb M x N bf16 at cb_ptr with
+        leading dimension ldc, not read. ws_ptr: an fp32 M x N workspace with the same ldc, needed
+        (written) where K > kc, M <= skinny_m, K == 0 or alpha == 0 (`needs_workspace`); else
+        it may be None. Only where `writes_bf16`."""
+        if not self.runnable:
+            raise KernelError(f"this CPU cannot run the {self.params.isa} back-end")
+        f = self._ffi
+        _check(self._gemm_bf16c(M, N, K, alpha, f.cast("void *", a_ptr), rsa, csa, f.cast("void *", b_ptr),
+                                rsb, csb, beta, f.NULL if bias_ptr is None else f.cast("float *", bias_ptr),
+                                f.NULL if ws_ptr is None else f.cast("float *", ws_ptr),
+                                f.cast("uint16_t *", cb_ptr), ldc, in_f32))
+
+    def needs_workspace(self, M: int, K: int, alpha: float) -> bool:
+        """Whether run_bf16c writes fp32 partial sums to its workspace for this problem."""
+        p = self.params
+        return K > p.kc or M <= p.skinny_m or K == 0 or alpha == 0.0
 
     def run_batched(self, batch: int, sa: int, sb: int, sc: int, M: int, N: int, K: int,
                     alpha: float, a_ptr: int, rsa: int, csa: int, b_ptr: int, rsb: int, csb: int,

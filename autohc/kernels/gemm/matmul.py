@@ -8,11 +8,14 @@ C.T = B.T @ A.T). torch CPU tensors and numpy arrays are both taken.
 
 bf16: torch.bfloat16 tensors, or float32 ones with compute="bf16" (rounded to bf16 while
 packing), multiply in bf16 and accumulate in fp32 on this CPU's bf16 back-end (cpu.bf16_isa);
-C is float32, or bfloat16 (rounded once at the end) where `out` is.
+C is float32, or bfloat16 where `out` is: written by the bf16 back-ends' own store (the
+last K panel rounds into it; fp32 partial sums of earlier panels in a per-thread workspace),
+elsewhere rounded once from an fp32 C.
 """
 from __future__ import annotations
 
 import numbers
+import threading
 
 import numpy as np
 
@@ -199,7 +202,9 @@ def matmul(a, b, *, out=None, alpha=1.0, beta=0.0, threads=None, params: GemmPar
         raise ValueError("autohc.matmul: out has a zero stride (an expanded view); "
                          "several results would land on one element")
     if not C.f32:
-        # the kernels write fp32 C: accumulate into an fp32 copy, round once into out
+        if beta == 0.0 and _run_bf16c(kind, a, b, A, B, C, alpha, threads, params):
+            return out
+        # elsewhere the kernels write fp32 C: accumulate into an fp32 copy, round once into out
         acc = out.float() if beta != 0.0 else torch.empty((M, N), dtype=torch.float32)
         _run(kind, a, b, acc, A, B, operand_raw(acc), alpha, beta, threads, params, dtype=compute)
         out.copy_(acc)
@@ -228,6 +233,56 @@ def bmm_into(a, b, out, alpha: float, beta: float, threads: int):
                                    alpha, A.ptr, A.strides[0], A.strides[1], B.ptr, B.strides[0],
                                    B.strides[1], beta, out.data_ptr(), out.stride(1))
     return out
+
+
+def gemm_bf16_into(a, b, out, alpha: float, threads: int, bias=None, beta: float = 1.0) -> bool:
+    """out := bf16(alpha * a @ b [+ beta * bias in every row]) for bfloat16 (or float32) CPU tensors
+    a, b checked by the caller (the torch override), out bfloat16 (M, N); bias: a float32 or
+    bfloat16 tensor of out's row shape. Written by the bf16 kernel itself (its last K panel
+    rounds into out). False, nothing written, where this CPU's bf16 back-end cannot do that or
+    out has no unit column stride: the caller computes another way."""
+    if bias is not None:
+        bias = bias.to(torch.float32).contiguous()
+    return _run_bf16c("torch", a, b, operand_raw(a), operand_raw(b), operand_raw(out), alpha,
+                      threads, None, bias, beta)
+
+
+_ws = threading.local()
+
+
+def _workspace(nfloats: int):
+    """This thread's fp32 scratch of at least `nfloats` (grown, never shrunk): the partial
+    sums of a bf16 C over K panels."""
+    buf = getattr(_ws, "buf", None)
+    if buf is None or buf.numel() < nfloats:
+        buf = _ws.buf = torch.empty(nfloats, dtype=torch.float32)
+    return buf
+
+
+def _run_bf16c(kind, a, b, A, B, C, alpha, threads, params, bias=None, beta=1.0) -> bool:
+    """C (bfloat16) := alpha * A @ B (+ bias) on the kernel's own bf16 store; False where it
+    has none (fp32 back-ends, a C without unit column stride)."""
+    M, K = A.shape
+    N = B.shape[1]
+    if kind != "torch" or not (C.strides[1] == 1 or N == 1):
+        return False
+    ldc = C.strides[0] if M > 1 else max(N, 1)
+    if ldc < N:
+        return False
+    if A.overlaps(C):
+        A = operand_raw(a.clone())
+    if B.overlaps(C):
+        B = operand_raw(b.clone())
+    if params is None:
+        params = tuned_params(M, K, N, A.strides, B.strides, threads, "bf16")
+    kernel = get_kernel(params)
+    if not kernel.writes_bf16:
+        return False
+    ws = _workspace((M - 1) * ldc + N).data_ptr() if kernel.needs_workspace(M, K, alpha) else None
+    kernel.run_bf16c(M, N, K, alpha, A.ptr, A.strides[0], A.strides[1], B.ptr, B.strides[0],
+                     B.strides[1], beta, None if bias is None else bias.data_ptr(), ws, C.ptr, ldc,
+                     int(A.f32) | int(B.f32) << 1)
+    return True
 
 
 def operand_raw(t, kind: str = "torch") -> _Operand:
