@@ -373,6 +373,8 @@ def test_bf16_out_is_written_by_the_kernel_and_equals_fp32_rounded(isa):
                     what = f"{isa} t{threads} a_outer={a_outer} {layout} {m}x{k}x{n}"
                     assert torch.equal(out, f32.to(torch.bfloat16)), what
                     assert (wide[:, :3] == 7).all() and (wide[:, 3 + n:] == 7).all(), what + ": wrote outside C"
+                    if threads == 2 or a_outer:
+                        continue            # (the bias: once per shape and layout)
                     bias = torch.randn(n)
                     out_b = torch.empty(m, n, dtype=torch.bfloat16)
                     assert gemm_bf16_into(a, b, out_b, 0.5, threads, bias, -2.0)
