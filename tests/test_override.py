@@ -526,6 +526,9 @@ def test_bf16_gemms_autohc_does_not_take_go_to_aten_unchanged():
     with pytest.raises(RuntimeError):     # ATen's own error for a shape mismatch, unchanged
         with autohc.installed():
             torch.mm(a, a)
+    with pytest.raises(RuntimeError, match="same dtype"):   # ATen's: an fp32 inp to bf16 addmm
+        with autohc.installed():
+            torch.addmm(full[0].float(), a, b)
 
 
 @pytest.mark.skipif(not BF16_HW, reason="no bf16 back-end on this CPU: autocast stays on oneDNN")

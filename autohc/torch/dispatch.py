@@ -33,13 +33,13 @@ import warnings
 import torch
 
 from ..hw import cpu
+from ..kernels.gemm.kernel import KernelError
 from ..kernels.gemm.matmul import bmm_into, gemm_bf16_into, gemm_into
 from ..kernels.isa import BF16_ISAS
 from ..runtime import omp
 from ..runtime import plan as cpu_plan
 from ..runtime.memory import fresh_empty
 from ..tune import first_use
-from ..kernels.gemm.kernel import KernelError
 from . import fallback
 from .attention import ATEN_IMPLS as ATTENTION_IMPLS
 from .ops import ATEN_IMPLS
@@ -195,9 +195,9 @@ def _gemm16(name: str, out, x, y, inp=None, beta=0, alpha=1):
 
 
 def _plus16_ok(inp, m1, m2, beta, alpha) -> bool:
-    """addmm in bf16: the pair served and inp a Linear's bias (bf16 or fp32, one row)."""
-    return (_serve16(m1, m2) and _real(beta, alpha) and inp.device.type == "cpu"
-            and inp.dtype in (torch.bfloat16, torch.float32) and inp.layout == torch.strided
+    """addmm in bf16: the pair served and inp a bf16 Linear's bias (one row; ATen rejects an
+    inp of another dtype, and keeps doing so)."""
+    return (_serve16(m1, m2) and _real(beta, alpha) and _ok(inp, dtype=torch.bfloat16)
             and inp.dim() in (1, 2) and inp.shape[-1] == m2.shape[1] and inp.numel() == m2.shape[1])
 
 
