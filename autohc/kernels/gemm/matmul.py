@@ -136,6 +136,16 @@ def _copy(x, kind: str):
     return x.clone() if kind == "torch" else x.copy()
 
 
+def _apart(kind, a, b, A: "_Operand", B: "_Operand", C: "_Operand") -> tuple:
+    """A and B, each read from a copy where it aliases the output C, so the result is
+    still a @ b."""
+    if A.overlaps(C):
+        A = operand_raw(_copy(a, kind), kind)
+    if B.overlaps(C):
+        B = operand_raw(_copy(b, kind), kind)
+    return A, B
+
+
 def matmul(a, b, *, out=None, alpha=1.0, beta=0.0, threads=None, params: GemmParams | None = None,
            compute: str | None = None):
     """C = alpha * a @ b + beta * out, for 2-D CPU torch tensors or numpy arrays.
@@ -269,10 +279,7 @@ def _run_bf16c(kind, a, b, A, B, C, alpha, threads, params, bias=None, beta=1.0)
     ldc = C.strides[0] if M > 1 else max(N, 1)
     if ldc < N:
         return False
-    if A.overlaps(C):
-        A = operand_raw(a.clone())
-    if B.overlaps(C):
-        B = operand_raw(b.clone())
+    A, B = _apart(kind, a, b, A, B, C)
     if params is None:
         params = tuned_params(M, K, N, A.strides, B.strides, threads, "bf16")
     kernel = get_kernel(params)
@@ -303,11 +310,7 @@ def _run(kind, a, b, out, A, B, C, alpha, beta, threads, params, bias=None, dtyp
         else:
             out.copy_(bias.expand(M, N))        # the kernel adds a bias only along C's rows
             bias = None
-    # inputs that alias the output are read from a copy, so the result is still a @ b
-    if A.overlaps(C):
-        A = operand_raw(_copy(a, kind), kind)
-    if B.overlaps(C):
-        B = operand_raw(_copy(b, kind), kind)
+    A, B = _apart(kind, a, b, A, B, C)
 
     if params is None:
         params = tuned_params(M, K, N, A.strides, B.strides, threads, dtype)
