@@ -6,7 +6,8 @@ autograd, and the CPU kernels that autohc.install() puts under F.scaled_dot_prod
                                                   (what F.scaled_dot_product_attention runs on
                                                   CPU) and its backward
 
-Served: float32 CPU tensors, 4-D, q, k, v of one batch, head count and head dim, the last dim
+Served: float32 or bfloat16 CPU tensors (bf16: what SDPA sees under torch.autocast; fp32 sums,
+on AVX512_BF16 dot products where the CPU has them), 4-D, q, k, v of one batch, head count and head dim, the last dim
 contiguous (other strides are read in place), no mask, no causal mask, no dropout (SDPA runs
 dropout on its math path, never on this op). Everything else goes to ATen's own flash kernel,
 captured before install() registers its own, so those calls give exactly ATen's result.
@@ -21,6 +22,9 @@ import torch
 
 from ..hw import cpu
 from ..kernels.attention import AttentionParams, default_attention
+from ..kernels.attention.params import bf16_attention
+from ..kernels.family import ParamError
+from ..kernels.isa import ISAS
 from ..kernels.attention.codegen import library
 from ..kernels.attention.params import KERNEL
 from ..tune import registry
@@ -43,13 +47,34 @@ def forced_params(params: AttentionParams):
         _forced.pop()
 
 
-def params_for() -> AttentionParams:
+def params_for(dtype: torch.dtype = torch.float32) -> AttentionParams:
     """The tuner's trial, else the registry's tuned parameters for this CPU and thread count
-    (`autohc tune --op attention`), else the default."""
-    if _forced:
+    (`autohc tune --op attention`), else the default; for bf16 the same blocks and tiles on
+    the bf16 back-end (bf16_isa)."""
+    if _forced and _forced[-1].dtype == ("bf16" if dtype == torch.bfloat16 else "fp32"):
         return _forced[-1]
-    return (registry.tuned_op_params("attention", KERNEL, kernel_threads())
-            or default_attention(cpu.best_isa()))
+    p = (registry.tuned_op_params("attention", KERNEL, kernel_threads())
+         or default_attention(cpu.best_isa()))
+    if dtype != torch.bfloat16:
+        return p
+    isa = bf16_isa()[0]
+    try:
+        return bf16_attention(p, isa)
+    except ParamError:          # tuned for another vector width: the default's tiles
+        return bf16_attention(default_attention(isa if isa in ISAS else cpu.best_isa()), isa)
+
+
+def bf16_isa() -> tuple[str, str]:
+    """(back-end, why) of bf16 attention: AVX512_BF16 dot products where the CPU has them
+    (AMX CPUs too: the attention tiles are vector tiles), else the fp32 kernels on widened
+    inputs; AUTOHC_BF16_ISA picks as for the GEMMs."""
+    isa, why = cpu.bf16_isa()
+    if isa == "amx":
+        if "avx512bf16" in cpu.runnable_bf16_isas():
+            return "avx512bf16", "AVX512_BF16 dot products (vdpbf16ps)"
+        isa = cpu.best_isa()
+        return isa, f"bf16 inputs widened to fp32 on the {isa} kernels"
+    return isa, why
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,8 +88,9 @@ def served(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """What the kernel computes: the shapes and dtypes above (masks, dropout are the caller's
     to check)."""
     ts = (q, k, v)
-    if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.layout == torch.strided
-               and t.dim() == 4 for t in ts):
+    if q.dtype not in (torch.float32, torch.bfloat16) or not all(
+            t.dtype == q.dtype and t.device.type == "cpu" and t.layout == torch.strided
+            and t.dim() == 4 for t in ts):
         return False
     B, H, L, D = q.shape
     return (k.shape[:2] == (B, H) and v.shape == k.shape and k.shape[3] == D
@@ -81,7 +107,7 @@ def _strides(ffi, *ts):
 
 
 def _ptr(ffi, t):
-    return ffi.cast("float *", t.data_ptr())
+    return ffi.cast("uint16_t *" if t.dtype == torch.bfloat16 else "float *", t.data_ptr())
 
 
 def out_like_query(q: torch.Tensor) -> torch.Tensor:
@@ -117,7 +143,7 @@ def _check(rc: int, what: str) -> None:
 def forward_kernel(q, k, v, scale: float | None):
     """(out (B, H, L, D), lse (B, H, L)), both laid out as ATen's flash attention lays them
     out (what torch.compile's fake kernels of that op promise)."""
-    ffi, fwd, _ = _functions(params_for())
+    ffi, fwd, _ = _functions(params_for(q.dtype))
     q, k, v = _inner(q), _inner(k), _inner(v)
     B, H, L, D = q.shape
     S = k.shape[2]
@@ -131,7 +157,7 @@ def forward_kernel(q, k, v, scale: float | None):
 def backward_kernel(grad, q, k, v, out, lse, scale: float | None):
     """(dq, dk, dv) from the forward's out and lse, laid out as ATen's backward: (B, L, H, D)
     in memory."""
-    ffi, _, bwd = _functions(params_for())
+    ffi, _, bwd = _functions(params_for(q.dtype))
     grad, q, k, v, out = (_inner(t) for t in (grad, q, k, v, out))
     B, H, L, D = q.shape
     S = k.shape[2]
@@ -146,9 +172,17 @@ def backward_kernel(grad, q, k, v, out, lse, scale: float | None):
 # ----------------------------------------------------------------- the custom op
 
 def _math(q, k, v, scale):
-    """The reference (ATen's math): other dtypes and the fallback of the custom op."""
+    """The reference (ATen's math): other dtypes and the fallback of the custom op (bf16 in
+    fp32, the output rounded to bf16, the log-sum-exp fp32 as the kernel's)."""
+    dtype = q.dtype
+    if dtype == torch.bfloat16:
+        q, k, v = q.float(), k.float(), v.float()
     s = (q @ k.transpose(-2, -1)) * _scale(scale, q.shape[-1])
-    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+    return (torch.softmax(s, -1) @ v).to(dtype), torch.logsumexp(s, -1)
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype == torch.bfloat16 else dtype
 
 
 def _laid_out(t: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
@@ -162,7 +196,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     def math_path():
         out, lse = _math(q, k, v, scale)
-        return (_laid_out(out, out_like_query(q).to(out.dtype)),
+        return (_laid_out(out, out_like_query(q)),
                 _laid_out(lse, lse_like(q).to(lse.dtype)))
     return fallback.kernel_or(lambda: forward_kernel(q, k, v, scale), math_path, "attention",
                               served=served(q, k, v))
@@ -170,7 +204,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 @_attention.register_fake
 def _(q, k, v, scale):
-    return out_like_query(q).to(q.dtype), lse_like(q).to(q.dtype)
+    return out_like_query(q), lse_like(q).to(_lse_dtype(q.dtype))
 
 
 @torch.library.custom_op("autohc::attention_backward", mutates_args=())
@@ -179,18 +213,26 @@ def _attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                         scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     def math_path():
         sc = _scale(scale, q.shape[-1])
-        p = torch.exp((q @ k.transpose(-2, -1)) * sc - lse.unsqueeze(-1))
-        dp = grad @ v.transpose(-2, -1)
-        ds = p * (dp - (grad * out).sum(-1, keepdim=True)) * sc
-        return tuple(_laid_out(g, grad_like(t).to(g.dtype))
-                     for g, t in ((ds @ k, q), (ds.transpose(-2, -1) @ q, k), (p.transpose(-2, -1) @ grad, v)))
+        wide = [t.float() if t.dtype == torch.bfloat16 else t for t in (grad, q, k, v, out)]
+        gw, qw, kw, vw, ow = wide
+        p = torch.exp((qw @ kw.transpose(-2, -1)) * sc - lse.to(qw.dtype).unsqueeze(-1))
+        dp = gw @ vw.transpose(-2, -1)
+        ds = p * (dp - (gw * ow).sum(-1, keepdim=True)) * sc
+        return tuple(_laid_out(g.to(t.dtype), grad_like(t))
+                     for g, t in ((ds @ kw, q), (ds.transpose(-2, -1) @ qw, k), (p.transpose(-2, -1) @ gw, v)))
     return fallback.kernel_or(lambda: backward_kernel(grad, q, k, v, out, lse, scale), math_path,
-                              "attention_backward", served=served(q, k, v) and grad.dtype == torch.float32)
+                              "attention_backward", served=_backward_served(grad, q, k, v, out, lse))
 
 
 @_attention_backward.register_fake
 def _(grad, q, k, v, out, lse, scale):
-    return grad_like(q).to(q.dtype), grad_like(k).to(k.dtype), grad_like(v).to(v.dtype)
+    return grad_like(q), grad_like(k), grad_like(v)
+
+
+def _backward_served(grad, q, k, v, out, lse) -> bool:
+    """The backward kernel's inputs: the forward's dtypes, the log-sum-exp fp32."""
+    return (served(q, k, v) and grad.dtype == q.dtype and out.dtype == q.dtype
+            and lse.dtype == torch.float32)
 
 
 def _setup(ctx, inputs, output):
@@ -252,7 +294,7 @@ def aten_flash_backward(grad_out, query, key, value, out, logsumexp, dropout_p, 
                            is_causal, attn_mask=attn_mask, scale=scale),
         "scaled_dot_product_attention_backward",
         served=_flash_served(query, key, value, dropout_p, is_causal, attn_mask)
-        and grad_out.dtype == torch.float32 and logsumexp.dtype == torch.float32)
+        and _backward_served(grad_out, query, key, value, out, logsumexp))
 
 
 # only where ATen's own kernels could be captured, so that every call not served still has them

@@ -7,7 +7,6 @@ import functools
 from ...build import build
 from ...runtime import pool
 from ..family import exported_declarations
-from ..isa import ISAS
 from ..render import environment
 from .params import AttentionParams
 
@@ -15,14 +14,16 @@ from .params import AttentionParams
 def render_attention(params: AttentionParams) -> str:
     p = params.validate()
     return environment().get_template("ops/attention.c.j2").render(
-        sym=p.symbol(), **p.to_dict())
+        sym=p.symbol(), bf16=p.dtype == "bf16", dot=p.dot,
+        elem="uint16_t" if p.dtype == "bf16" else "float", pk="pk_t" if p.dot else "float",
+        **p.to_dict())
 
 
 @functools.lru_cache(maxsize=None)
 def library(params: AttentionParams):
     """The compiled, pool-bound library at these parameters (built once per process)."""
     src = render_attention(params)
-    lib = build(src, exported_declarations(src), ISAS[params.isa].cflags,
+    lib = build(src, exported_declarations(src), params.cflags,
                 meta={"op": "attention", "params": params.to_dict()})
     pool.bind(lib, params.symbol())
     return lib

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from ...hw import cpu
 from .. import archs
 from ..family import ParamError
-from ..isa import ISAS
+from ..isa import BF16_ISAS, GEMM_ISAS, ISAS
 
 KERNEL = "attention"        # one source holds the forward and the backward pass
 
@@ -28,14 +28,20 @@ class AttentionParams:
     fd: int = 6                 # head-dim rows per product micro-tile
     prefetch: int = 1           # 1: the next task's rows are prefetched into L2 during this one
     threads: int = 0            # most threads a call splits over: 0 = all it is given
+    # bf16: q, k, v and the outputs in bfloat16, every sum fp32; isa avx512bf16 runs the score
+    # and queries-in-lanes product tiles on vdpbf16ps, the fp32 ISAs widen the inputs instead
+    dtype: str = "fp32"
 
     def validate(self) -> "AttentionParams":
         for name in ("vl", "block_q", "block_k", "mr", "dc", "qv", "fk", "fd", "prefetch", "threads"):
             if type(getattr(self, name)) is not int:
                 raise ParamError(f"{name}={getattr(self, name)!r}: an int")
-        if self.isa not in ISAS:
-            raise ParamError(f"isa={self.isa!r}: one of {tuple(ISAS)}")
-        spec = ISAS[self.isa]
+        if self.dtype not in ("fp32", "bf16"):
+            raise ParamError(f"dtype={self.dtype!r}: 'fp32' or 'bf16'")
+        isas = ISAS if self.dtype == "fp32" else {**ISAS, "avx512bf16": BF16_ISAS["avx512bf16"]}
+        if self.isa not in isas:
+            raise ParamError(f"isa={self.isa!r}: {self.dtype} attention runs on one of {tuple(isas)}")
+        spec = isas[self.isa]
         if self.vl not in spec.vector_lanes:
             raise ParamError(f"vl={self.vl}: {self.isa} takes one of {spec.vector_lanes}")
         if not 1 <= self.mr <= 16 or not 1 <= self.dc <= 15:
@@ -53,11 +59,22 @@ class AttentionParams:
             raise ParamError(f"block_q={self.block_q}: a multiple of qv*vl = {self.qv * self.vl}")
         if not 1 <= self.block_k <= 8192:
             raise ParamError(f"block_k={self.block_k}: an int in [1, 8192]")
+        if self.dot and self.block_k % 2:
+            raise ParamError(f"block_k={self.block_k}: even on {self.isa} (keys go in pairs)")
         if self.prefetch not in (0, 1):
             raise ParamError(f"prefetch={self.prefetch}: 0 or 1")
         if not 0 <= self.threads <= 1024:
             raise ParamError(f"threads={self.threads}: an int in [0, 1024] (0: all)")
         return self
+
+    @property
+    def dot(self) -> bool:
+        """The bf16 dot-product tiles (vdpbf16ps) run; else fp32 tiles."""
+        return self.dtype == "bf16" and self.isa in BF16_ISAS
+
+    @property
+    def cflags(self) -> tuple[str, ...]:
+        return GEMM_ISAS[self.isa].cflags
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -72,7 +89,8 @@ class AttentionParams:
     def symbol(self) -> str:
         """C prefix of the kernel's functions: unique per parameter set."""
         return (f"autohc_attn_{self.isa}_v{self.vl}_q{self.block_q}_k{self.block_k}_m{self.mr}"
-                f"_d{self.dc}_qv{self.qv}_fk{self.fk}_fd{self.fd}_p{self.prefetch}_t{self.threads}")
+                f"_d{self.dc}_qv{self.qv}_fk{self.fk}_fd{self.fd}_p{self.prefetch}_t{self.threads}"
+                + ("_bf16" if self.dtype == "bf16" else ""))
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,3 +99,9 @@ def default_attention(isa: str | None = None) -> AttentionParams:
     `isa` (this CPU's best ISA when none is named)."""
     isa = isa or cpu.best_isa()
     return AttentionParams(isa=isa, **archs.attention_default(isa)).validate()
+
+
+def bf16_attention(params: AttentionParams, isa: str) -> AttentionParams:
+    """The bf16 kernel of an fp32 parameter set (tuned or default: the same blocks and tiles)
+    on `isa`: avx512bf16 for the dot-product tiles, or an fp32 ISA (the inputs widened)."""
+    return dataclasses.replace(params, dtype="bf16", isa=isa).validate()
