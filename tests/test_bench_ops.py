@@ -44,3 +44,18 @@ def test_bench_ops_json(capsys):
 def test_bench_ops_unknown_name_is_one_line(capsys):
     assert main(["bench", "ops", "--ops", "nope", "--adamw-params", "0"]) == 1
     assert "unknown op ['nope']" in capsys.readouterr().err
+
+
+def test_bench_ops_bf16_times_attention_against_torchs_bf16(capsys):
+    """--dtype bf16: the attention rows with bf16 q, k, v on both sides (what each computes
+    agrees within bf16's rounding), no element-wise or AdamW rows."""
+    import torch
+    for name, shape, nbytes, flops, mine, theirs in attention_cases(images=1, dtype=torch.bfloat16)[2:]:
+        for u, v in zip(mine(), theirs()):
+            assert u.dtype == v.dtype
+            torch.testing.assert_close(u.float(), v.float().reshape(u.shape), rtol=2e-2, atol=2e-2, msg=name)
+    assert main(["bench", "ops", "--dtype", "bf16", "--images", "1", "--repeats", "1",
+                 "--ops", "attention_s2", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["dtype"] == "bf16" and [w["name"] for w in r["rows"]] == ["attention_s2"]
+    assert r["rows"][0]["baseline"] == "torch flash attention (bf16)" and r["adamw_ms"] is None

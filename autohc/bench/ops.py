@@ -2,7 +2,8 @@
 tokens x hidden, 2048 x 4608 MLP activations, 8 x 16 x 256 x 256 attention scores) against
 torch eager; fused attention forward and backward at DiT-XL/2 (16 heads of 72) and DiT-S/2
 (6 heads of 64) shapes against torch's CPU flash attention (what
-F.scaled_dot_product_attention runs), with GFLOP/s; and autohc.optim.AdamW against torch.optim.AdamW (fused=True and foreach=True)
+F.scaled_dot_product_attention runs), with GFLOP/s, in fp32 or (dtype bf16: q, k, v as
+torch.autocast gives them) in bf16 against torch's bf16 flash attention; and autohc.optim.AdamW against torch.optim.AdamW (fused=True and foreach=True)
 over the 675M parameters of DiT-XL/2.
 
 The autohc and torch versions of an op are timed by the one protocol (bench/timing.py:
@@ -103,10 +104,10 @@ def op_cases(images: int = 8):
 ATTENTION_SHAPES = {"": (16, 72), "_s2": (6, 64)}     # DiT-XL/2, DiT-S/2: heads, head dim
 
 
-def attention_cases(images: int = 8):
+def attention_cases(images: int = 8, dtype: torch.dtype = torch.float32):
     """(name, shape, bytes, flops, autohc callable, torch callable): forward and backward of
     attention over q, k, v viewed in one qkv tensor as DiT makes them, against torch's CPU
-    flash-attention op and its backward."""
+    flash-attention op and its backward, both in `dtype`."""
     from ..torch import attention
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -114,12 +115,12 @@ def attention_cases(images: int = 8):
     out = []
     for suffix, (heads, hd) in ATTENTION_SHAPES.items():
         g = torch.Generator().manual_seed(2)
-        qkv = torch.randn(images, T, 3, heads, hd, generator=g).permute(2, 0, 3, 1, 4)
+        qkv = torch.randn(images, T, 3, heads, hd, generator=g).to(dtype).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
-        grad = torch.randn(images, heads, T, hd, generator=g)
+        grad = torch.randn(images, heads, T, hd, generator=g).to(dtype)
         o, lse = attention.forward_kernel(q, k, v, None)
         o_t, lse_t = flash(q, k, v)
-        n = q.numel() * 4
+        n = q.numel() * q.element_size()
         fwd_flops = 4 * images * heads * T * T * hd
         shape = f"{images}x{heads}x{T}x{hd}"
         out.append((f"attention{suffix}", shape, 4 * n, fwd_flops,
@@ -173,9 +174,17 @@ def bench_adamw(n: int = XL_PARAMS, repeats: int = 3, progress=None) -> tuple[Op
 
 
 def bench_ops(images: int = 8, repeats: int = 9, adamw_params: int = XL_PARAMS,
-              names: list[str] | None = None, progress=None) -> dict:
+              names: list[str] | None = None, progress=None, dtype: str = "fp32") -> dict:
+    """dtype bf16: the attention rows in bf16 (the element-wise operators and AdamW have no
+    bf16 kernels yet, so no bf16 rows)."""
     say = progress or (lambda m: None)
-    cases = [(*c[:3], None, *c[3:]) for c in op_cases(images)] + attention_cases(images)
+    if dtype not in ("fp32", "bf16"):
+        raise ValueError(f"dtype {dtype!r}: fp32 or bf16")
+    bf16 = dtype == "bf16"
+    cases = ([] if bf16 else [(*c[:3], None, *c[3:]) for c in op_cases(images)]) \
+        + attention_cases(images, torch.bfloat16 if bf16 else torch.float32)
+    if bf16:
+        adamw_params = 0
     unknown = set(names or ()) - {c[0] for c in cases} - {"adamw"}
     if unknown:
         raise ValueError(f"unknown op {sorted(unknown)}; one of {', '.join(c[0] for c in cases)}, adamw")
@@ -190,7 +199,8 @@ def bench_ops(images: int = 8, repeats: int = 9, adamw_params: int = XL_PARAMS,
         gbps = nbytes / t["autohc"] / 1e9
         rows.append(OpRow(name, shape, 1e3 * t["autohc"], 1e3 * t["torch"], t["torch"] / t["autohc"],
                           gbps, 100 * gbps / bw, nbytes / t["torch"] / 1e9,
-                          "torch flash attention" if flops else "torch eager", tt["autohc"].spread_pct,
+                          ("torch flash attention" + (" (bf16)" if bf16 else "")) if flops else "torch eager",
+                          tt["autohc"].spread_pct,
                           flops / t["autohc"] / 1e9 if flops else None,
                           flops / t["torch"] / 1e9 if flops else None))
         rate = f" ({rows[-1].gflops:.0f} vs {rows[-1].torch_gflops:.0f} GFLOP/s)" if flops else ""
@@ -200,5 +210,5 @@ def bench_ops(images: int = 8, repeats: int = 9, adamw_params: int = XL_PARAMS,
         row, adamw = bench_adamw(adamw_params, progress=say)
         row.pct_bandwidth = 100 * row.gbps / bw
         rows.append(row)
-    return {"threads": torch.get_num_threads(), "images": images, "bandwidth_gbps": bw,
+    return {"threads": torch.get_num_threads(), "images": images, "bandwidth_gbps": bw, "dtype": dtype,
             "rows": [asdict(r) for r in rows], "adamw_ms": adamw}

@@ -85,7 +85,9 @@ def summaries(r: dict) -> list[tuple[str, str]]:
     if bench == "ops":
         rows = res["rows"]
         line = ", ".join(f"{w['name']} {w['speedup']:.2f}x" for w in rows)
-        out = [(f"fused operators vs torch eager, {res['threads']} threads",
+        what = ("bf16 attention vs torch's bf16 flash attention" if res.get("dtype") == "bf16"
+                else "fused operators vs torch eager")
+        out = [(f"{what}, {res['threads']} threads",
                 f"{line} (copy bandwidth {res['bandwidth_gbps']:.1f} GB/s)")]
         if res.get("adamw_ms"):
             a = res["adamw_ms"]

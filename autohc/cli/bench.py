@@ -198,12 +198,13 @@ def cmd_bench_ops(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     r = bench_ops(args.images, args.repeats, args.adamw_params, args.ops,
-                  progress=None if args.json else lambda m: print(m, file=sys.stderr, flush=True))
+                  progress=None if args.json else lambda m: print(m, file=sys.stderr, flush=True),
+                  dtype=args.dtype)
     _save(rec, r, r["threads"])
     if args.json:
         print(json.dumps(r, indent=2))
         return 0
-    print(f"{r['threads']} threads, copy bandwidth {r['bandwidth_gbps']:.1f} GB/s")
+    print(f"{r['threads']} threads, {r['dtype']}, copy bandwidth {r['bandwidth_gbps']:.1f} GB/s")
     print(f"{'op':28s} {'shape':18s} {'ms':>8s} {'torch ms':>9s} {'speedup':>8s} {'GB/s':>6s} {'% bw':>5s}"
           f" {'GFLOP/s':>8s} {'torch':>6s}")
     for w in r["rows"]:
