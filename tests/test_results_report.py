@@ -187,6 +187,11 @@ def test_render_replaces_only_the_marked_blocks(tmp_path):
     ("parallel", {"model": "DiT-S/2", "batch": 16, "rows": [
         {"strategy": "dp", "step_s": 1.5, "peak_mem_gb": 3.4},
         {"strategy": "cftp", "step_s": 1.25, "peak_mem_gb": 2.5}]}, "cftp 1.250 s/step, 2.50 GB"),
+    ("step", {"model": "DiT-S/2", "batch": 8, "threads": 2,
+              "step_s": {"stock": 2.0, "stock-bf16": 1.3, "autohc-bf16": 1.1},
+              "bf16_speedups": {"autohc-bf16 vs stock-bf16": 1.3 / 1.1, "autohc-bf16 vs stock": 2.0 / 1.1},
+              "pct_bf16_peak": {"stock-bf16": 40.0, "autohc-bf16": 50.0}},
+     "autohc-bf16 **1.18x stock autocast, 1.82x stock fp32** (1.100 s per step, 50.0 % of the bf16 peak)"),
 ])
 def test_summaries_of_the_other_benches(bench, result, shown):
     r = {"bench": bench, "result": result}

@@ -45,6 +45,10 @@ def _token(rows):
     return [w for w in rows if w["name"] != "adaLN"]
 
 
+_AUTOCAST_NAMES = {"stock": "stock fp32", "stock-bf16": "stock autocast",
+                   "compiled-bf16": "compiled autocast"}
+
+
 def summaries(r: dict) -> list[tuple[str, str]]:
     """(what, figure) lines of one saved result: the short form for the tables."""
     res, bench = r["result"], r["bench"]
@@ -67,6 +71,17 @@ def summaries(r: dict) -> list[tuple[str, str]]:
                             f"{_range([w['pct_peak'] for w in tok])} % of the FMA peak "
                             f"({g['peak_gflops_per_core']} GFLOP/s per core)"))
         return out
+    if bench == "step" and res.get("bf16_speedups"):
+        t, sp, pk = res["step_s"], res["bf16_speedups"], res.get("pct_bf16_peak", {})
+        figure = "; ".join(
+            f"{m} **" + ", ".join(f"{_f(v)}x {_AUTOCAST_NAMES.get(b, b)}" for k, v in sp.items()
+                                  if k.startswith(m + " vs ") for b in [k.split(" vs ", 1)[1]]) + "**"
+            + f" ({t[m]:.3f} s per step, {_f(pk.get(m), 1)} % of the bf16 peak)"
+            for m in _step_order(t) if any(k.startswith(m + " vs ") for k in sp))
+        figure += " (" + ", ".join(f"{m} {t[m]:.3f} s" for m in _step_order(t)
+                                   if not any(k.startswith(m + " vs ") for k in sp)) + ")"
+        return [(f"{res['model']} training step bf16 (torch.autocast), batch {res['batch']}, "
+                 f"{res['threads']} threads", figure)]
     if bench == "step":
         t, pct = res["step_s"], res["pct_peak"]
         modes = _step_order(t)
