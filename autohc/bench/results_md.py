@@ -72,14 +72,14 @@ def summaries(r: dict) -> list[tuple[str, str]]:
                             f"({g['peak_gflops_per_core']} GFLOP/s per core)"))
         return out
     if bench == "step" and res.get("bf16_speedups"):
-        t, sp, pk = res["step_s"], res["bf16_speedups"], res.get("pct_bf16_peak", {})
-        figure = "; ".join(
-            f"{m} **" + ", ".join(f"{_f(v)}x {_AUTOCAST_NAMES.get(b, b)}" for k, v in sp.items()
-                                  if k.startswith(m + " vs ") for b in [k.split(" vs ", 1)[1]]) + "**"
-            + f" ({t[m]:.3f} s per step, {_f(pk.get(m), 1)} % of the bf16 peak)"
-            for m in _step_order(t) if any(k.startswith(m + " vs ") for k in sp))
-        figure += " (" + ", ".join(f"{m} {t[m]:.3f} s" for m in _step_order(t)
-                                   if not any(k.startswith(m + " vs ") for k in sp)) + ")"
+        t, pk = res["step_s"], res.get("pct_bf16_peak", {})
+        ratios: dict[str, list[str]] = {}       # "autohc-bf16 vs stock-bf16": 1.19 -> per mode
+        for key, v in res["bf16_speedups"].items():
+            mode, base = key.split(" vs ", 1)
+            ratios.setdefault(mode, []).append(f"{_f(v)}x {_AUTOCAST_NAMES.get(base, base)}")
+        figure = "; ".join(f"{m} **{', '.join(ratios[m])}** ({t[m]:.3f} s per step, "
+                           f"{_f(pk.get(m), 1)} % of the bf16 peak)" for m in _step_order(t) if m in ratios)
+        figure += " (" + ", ".join(f"{m} {t[m]:.3f} s" for m in _step_order(t) if m not in ratios) + ")"
         return [(f"{res['model']} training step bf16 (torch.autocast), batch {res['batch']}, "
                  f"{res['threads']} threads", figure)]
     if bench == "step":
