@@ -136,8 +136,8 @@ class Trainer:
                                  + ", ".join(f"{k} {a!r} (now {b!r})" for k, (a, b) in diff.items()))
         self.precision, self.precision_why = precision.resolve(cfg.precision)
         torch.manual_seed(cfg.seed)
-        # the fused fp32 operators have no bf16 form yet: under autocast torch's ops serve
-        self.model = build_model(self.arch, autohc_ops(cfg.autohc and self.precision == "fp32"))
+        # the fused operators in both precisions (their bf16 forms under autocast)
+        self.model = build_model(self.arch, autohc_ops(cfg.autohc))
         ema_weights = self._load_init(init) if init else None
         self.ema = copy.deepcopy(self.model).requires_grad_(False).eval()
         if ema_weights is not None:

@@ -387,14 +387,20 @@ class Prefaulter:
 pool = BufferPool(_setting_from_env())
 
 
-def fresh_empty(*shape: int) -> torch.Tensor:
-    """An uninitialised float32 tensor of `shape` for a kernel to write: from the pool when it
-    is large, else torch.empty."""
-    if math.prod(shape) * 4 >= POOL_MIN_BYTES and pool.cap_bytes > 0:
-        return pool.empty(tuple(shape))
-    return torch.empty(shape, dtype=torch.float32)
+def fresh_empty(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An uninitialised float32 (or bfloat16) tensor of `shape` for a kernel to write: from the
+    pool when it is large (bf16 in a float32 block of half the count), else torch.empty."""
+    n = math.prod(shape)
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"fresh_empty: float32 or bfloat16, not {dtype}")
+    size = 4 if dtype == torch.float32 else 2
+    if n * size >= POOL_MIN_BYTES and pool.cap_bytes > 0:
+        if dtype == torch.float32:
+            return pool.empty(tuple(shape))
+        return pool.empty(((n + 1) // 2,)).view(torch.bfloat16)[:n].view(shape)
+    return torch.empty(shape, dtype=dtype)
 
 
-def fresh_like(t: torch.Tensor) -> torch.Tensor:
-    """torch.empty_like(t) (float32, contiguous) for a kernel to write."""
-    return fresh_empty(*t.shape)
+def fresh_like(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """torch.empty_like(t) (float32 unless told, contiguous) for a kernel to write."""
+    return fresh_empty(*t.shape, dtype=dtype)

@@ -10,8 +10,11 @@ gated residual (forward + backward).
 
 float32 CPU tensors run the generated kernels as teams of the native worker pool, over
 autohc.torch.threads.kernel_threads() threads (install()'s count while installed, else
-torch.get_num_threads()); cffi releases the GIL. Everything else runs torch's own
-implementation.
+torch.get_num_threads()); cffi releases the GIL. bfloat16 tensors (torch.autocast's) run the
+kernels' `_bf16` forms: GELU and SiLU read and write bf16; under autocast to bf16,
+layernorm_modulate of the fp32 stream with bf16 scale / shift writes the bf16 input of the next
+GEMM, and gated_residual adds a bf16 GEMM output to the fp32 stream. The arithmetic is fp32,
+each bf16 result rounded once. Everything else runs torch's own implementation.
 """
 from __future__ import annotations
 
@@ -72,21 +75,36 @@ def _functions(kernel: str, p: EltwiseParams):
 
 
 def _ptr(ffi, t):
-    return ffi.cast("float *", t.data_ptr()) if t is not None else ffi.NULL
+    if t is None:
+        return ffi.NULL
+    return ffi.cast("uint16_t *" if t.dtype == torch.bfloat16 else "float *", t.data_ptr())
+
+
 
 
 def _run(name: str, *tensors: torch.Tensor, params: EltwiseParams | None = None) -> torch.Tensor:
-    """out = f(*tensors) on contiguous float32 CPU tensors of one shape (element-wise kernels)."""
-    ffi, fn = kernel_fn(name, params)
+    """out = f(*tensors) on contiguous CPU tensors of one shape and dtype (element-wise
+    kernels): float32 runs `name`, bfloat16 its `name_bf16` form."""
+    bf16 = tensors[-1].dtype == torch.bfloat16
+    ffi, fn = kernel_fn(name + "_bf16" if bf16 else name, params)
     ins = [t.contiguous() for t in tensors]
-    out = _fresh_like(ins[-1])
+    out = _fresh_like(ins[-1], ins[-1].dtype)
     fn(*[_ptr(ffi, t) for t in ins], _ptr(ffi, out), out.numel(), kernel_threads())
     return out
 
 
+def _strided_cpu(*ts: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.layout == torch.strided for t in ts)
+
+
 def _fast(*ts: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.layout == torch.strided
-               for t in ts) and len({t.shape for t in ts}) == 1
+    return all(t.dtype == torch.float32 for t in ts) and _strided_cpu(*ts) and len({t.shape for t in ts}) == 1
+
+
+def _fast_any(*ts: torch.Tensor) -> bool:
+    """One shape, all float32 or all bfloat16: an element-wise kernel (or its bf16 form) runs it."""
+    return (len({t.dtype for t in ts}) == 1 and ts[0].dtype in (torch.float32, torch.bfloat16)
+            and _strided_cpu(*ts) and len({t.shape for t in ts}) == 1)
 
 
 # ----------------------------------------------------------------- torch custom ops
@@ -97,7 +115,7 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return fallback.kernel_or(
         lambda: _run("gelu_tanh_fwd", x),
         lambda: torch.nn.functional.gelu(x, approximate="tanh"),
-        "gelu_tanh", served=_fast(x))
+        "gelu_tanh", served=_fast_any(x))
 
 
 @torch.library.custom_op("autohc::gelu_tanh_backward", mutates_args=())
@@ -105,7 +123,7 @@ def gelu_tanh_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return fallback.kernel_or(
         lambda: _run("gelu_tanh_bwd", grad, x),
         lambda: torch.ops.aten.gelu_backward(grad, x, approximate="tanh"),
-        "gelu_tanh_backward", served=_fast(grad, x))
+        "gelu_tanh_backward", served=_fast_any(grad, x))
 
 
 @torch.library.custom_op("autohc::silu", mutates_args=())
@@ -114,7 +132,7 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return fallback.kernel_or(
         lambda: _run("silu_fwd", x),
         lambda: torch.nn.functional.silu(x),
-        "silu", served=_fast(x))
+        "silu", served=_fast_any(x))
 
 
 @torch.library.custom_op("autohc::silu_backward", mutates_args=())
@@ -122,7 +140,7 @@ def silu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return fallback.kernel_or(
         lambda: _run("silu_bwd", grad, x),
         lambda: torch.ops.aten.silu_backward(grad, x),
-        "silu_backward", served=_fast(grad, x))
+        "silu_backward", served=_fast_any(grad, x))
 
 
 for _op in (gelu_tanh, silu):
@@ -174,10 +192,12 @@ def _ln_mod(x: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | N
         return _ln_mod_reference(x, scale, shift, eps)
 
 
-def _ln_fwd_kernel(xc, sc, sh, rows: int, D: int, T: int, eps: float, plus_one: int):
-    """ln_mod_fwd over `rows` rows of D (contiguous float32); scale/shift per T rows."""
-    ffi, fn = kernel_fn("ln_mod_fwd")
-    y = _fresh_like(xc)
+def _ln_fwd_kernel(xc, sc, sh, rows: int, D: int, T: int, eps: float, plus_one: int,
+                   kernel: str = "ln_mod_fwd"):
+    """ln_mod_fwd (or its bf16 form: bf16 scale, shift and y) over `rows` rows of D
+    (contiguous float32 x); scale/shift per T rows."""
+    ffi, fn = kernel_fn(kernel)
+    y = _fresh_like(xc, torch.bfloat16 if kernel.endswith("_bf16") else torch.float32)
     mean = torch.empty(rows)
     rstd = torch.empty(rows)
     fn(*(_ptr(ffi, t) for t in (xc, sc, sh, y, mean, rstd)), rows, D, T, float(eps), plus_one,
@@ -216,11 +236,12 @@ def _ln_mod_bwd(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None,
 
 
 def _ln_bwd_kernel(dyc, xc, sc, mean, rstd, samples: int, T: int, D: int, sstride: int,
-                   plus_one: int, want_scale: bool, want_shift: bool):
+                   plus_one: int, want_scale: bool, want_shift: bool, kernel: str = "ln_mod_bwd"):
     """ln_mod_bwd over `samples` blocks of T rows (the last may be short) of D, contiguous
-    float32; the samples are split over the team. Returns dx and the per-sample dscale /
-    dshift (samples x D, or None where not wanted)."""
-    ffi, fn = kernel_fn("ln_mod_bwd")
+    float32 x (dy and scale bf16 in the bf16 form); the samples are split over the team.
+    Returns dx and the per-sample dscale / dshift (float32 samples x D, or None where not
+    wanted)."""
+    ffi, fn = kernel_fn(kernel)
     rows = xc.numel() // D
     dx = _fresh_like(xc)
     dscale = torch.empty(samples, D) if want_scale else None
@@ -263,7 +284,83 @@ def layernorm_modulate(x: torch.Tensor, scale: torch.Tensor | None = None,
     for name, t in (("scale", scale), ("shift", shift)):
         if t is not None and tuple(t.shape) != (B, D):
             raise ValueError(f"layernorm_modulate: {name} must be (B, D) = {(B, D)}, got {tuple(t.shape)}")
+    if (_autocast_bf16() and x.dtype == torch.float32
+            and all(t is None or t.dtype == torch.bfloat16 for t in (scale, shift))):
+        return _ln_mod16(x, scale, shift, float(eps))[0]
     return _ln_mod(x, scale, shift, float(eps))[0]
+
+
+# ------------------------- LayerNorm + modulate under torch.autocast: the bf16 GEMM input
+
+def _autocast_bf16() -> bool:
+    return torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+
+
+def _bf16_cpu(t: torch.Tensor | None) -> bool:
+    return t is None or (t.dtype == torch.bfloat16 and _strided_cpu(t))
+
+
+@torch.library.custom_op("autohc::layernorm_modulate_bf16", mutates_args=())
+def _ln_mod16(x: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | None,
+              eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Under autocast: the fp32 stream x, the bf16 adaLN scale / shift -> y in bf16 (the next
+    GEMM's input, rounded once from the fp32 result as autocast would round it), mean and
+    rstd fp32."""
+    B, T, D = x.shape
+    if _fast(x) and x.numel() > 0 and _bf16_cpu(scale) and _bf16_cpu(shift):
+        try:
+            return _ln_fwd_kernel(x.contiguous(), *(t.contiguous() if t is not None else None
+                                                    for t in (scale, shift)),
+                                  B * T, D, T, eps, 1, kernel="ln_mod_fwd_bf16")
+        except fallback.FAILURES as e:
+            fallback.report(e, "layernorm_modulate")
+    y, mean, rstd = _ln_mod_reference(x.float(), *(t.float() if t is not None else None
+                                                   for t in (scale, shift)), eps)
+    return y.to(torch.bfloat16), mean, rstd
+
+
+@_ln_mod16.register_fake
+def _(x, scale, shift, eps):
+    B, T, D = x.shape
+    return torch.empty_like(x, dtype=torch.bfloat16), x.new_empty(B * T), x.new_empty(B * T)
+
+
+@torch.library.custom_op("autohc::layernorm_modulate_bf16_backward", mutates_args=())
+def _ln_mod16_bwd(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None,
+                  mean: torch.Tensor, rstd: torch.Tensor, want_scale: bool,
+                  want_shift: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dx (fp32, as x), dscale and dshift (bf16, as scale and shift), each summed in fp32."""
+    B, T, D = x.shape
+    if (dy.dtype == torch.bfloat16 and _strided_cpu(dy) and dy.shape == x.shape and _fast(x)
+            and _bf16_cpu(scale) and x.numel() > 0
+            and all(t.dtype == torch.float32 and t.is_contiguous() for t in (mean, rstd))):
+        try:
+            dx, dsc, dsh = _ln_bwd_kernel(
+                dy.contiguous(), x.contiguous(), scale.contiguous() if scale is not None else None,
+                mean, rstd, B, T, D, D, 1, want_scale, want_shift, kernel="ln_mod_bwd_bf16")
+            return (dx, dsc.to(torch.bfloat16) if want_scale else x.new_zeros(0, dtype=torch.bfloat16),
+                    dsh.to(torch.bfloat16) if want_shift else x.new_zeros(0, dtype=torch.bfloat16))
+        except fallback.FAILURES as e:
+            fallback.report(e, "layernorm_modulate_backward")
+    dx, dsc, dsh = _ln_mod_bwd(dy.float(), x.float(), scale.float() if scale is not None else None,
+                               mean.float(), rstd.float(), want_scale, want_shift)
+    return dx, dsc.to(torch.bfloat16), dsh.to(torch.bfloat16)
+
+
+@_ln_mod16_bwd.register_fake
+def _(dy, x, scale, mean, rstd, want_scale, want_shift):
+    B, T, D = x.shape
+    return (torch.empty_like(x), x.new_empty((B, D) if want_scale else (0,), dtype=torch.bfloat16),
+            x.new_empty((B, D) if want_shift else (0,), dtype=torch.bfloat16))
+
+
+def _ln16_backward(ctx, gy, gmean, grstd):
+    x, scale, mean, rstd = ctx.saved_tensors
+    dx, dsc, dsh = _ln_mod16_bwd(gy, x, scale, mean, rstd, ctx.has_scale, ctx.has_shift)
+    return dx, (dsc if ctx.has_scale else None), (dsh if ctx.has_shift else None), None
+
+
+_ln_mod16.register_autograd(_ln16_backward, setup_context=_ln_setup)
 
 
 # ------------------------------------------------------------ softmax, gated residual
@@ -310,7 +407,44 @@ def _gated(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor
         "gated", served=_fast(x, y) and _fast(gate) and x.numel() > 0)
 
 
-_gated.register_fake(lambda x, y, gate: torch.empty_like(x, memory_format=torch.contiguous_format))
+@torch.library.custom_op("autohc::gated_residual_bf16", mutates_args=())
+def _gated16(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Under autocast: the fp32 stream x plus a bf16 GEMM output y times the bf16 gate, in fp32
+    (the product is not rounded to bf16 first)."""
+    B, T, D = x.shape
+    return fallback.kernel_or(
+        lambda: _rows_call("gated_residual_bf16", x, y, gate, extra=(D, T), out_like=x),
+        lambda: x + gate.float()[:, None, :] * y.float(),
+        "gated", served=_fast(x) and _fast_any(y) and y.dtype == torch.bfloat16
+        and y.shape == x.shape and _bf16_cpu(gate) and x.numel() > 0)
+
+
+for _op in (_gated, _gated16):
+    _op.register_fake(lambda x, y, gate: torch.empty_like(x, memory_format=torch.contiguous_format))
+
+
+@torch.library.custom_op("autohc::gated_residual_backward", mutates_args=())
+def _gated_bwd(g: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dy, dgate) of x + gate[:, None, :] * y for the fp32 gradient g: dy = g gate in y's
+    dtype, dgate = the sum over T of g y in gate's (float32 or bfloat16; sums in fp32)."""
+    B, T, D = y.shape
+    if (_fast(g) and g.shape == y.shape and _fast_any(y) and gate.dtype == y.dtype
+            and _strided_cpu(gate) and g.numel() > 0):
+        try:
+            ffi, fn = kernel_fn("gated_residual_bwd" + ("_bf16" if y.dtype == torch.bfloat16 else ""))
+            gc, yc, gatec = g.contiguous(), y.contiguous(), gate.contiguous()
+            dy, dgate = _fresh_like(yc, y.dtype), torch.empty(B, D)
+            fn(*(_ptr(ffi, t) for t in (gc, yc, gatec, dy, dgate)), B, D, T, B * T, kernel_threads())
+            return dy, dgate.to(gate.dtype)
+        except fallback.FAILURES as e:
+            fallback.report(e, "gated_residual_backward")
+    gf = g.float()
+    return (gf * gate.float()[:, None, :]).to(y.dtype), (gf * y.float()).sum(1).to(gate.dtype)
+
+
+@_gated_bwd.register_fake
+def _(g, y, gate):
+    return torch.empty_like(y, memory_format=torch.contiguous_format), torch.empty_like(gate)
 
 
 def _gated_setup(ctx, inputs, output):
@@ -320,10 +454,11 @@ def _gated_setup(ctx, inputs, output):
 
 def _gated_backward(ctx, g):
     y, gate = ctx.saved_tensors
-    return g, g * gate[:, None, :], (g * y).sum(1)
+    return g, *_gated_bwd(g, y, gate)
 
 
-_gated.register_autograd(_gated_backward, setup_context=_gated_setup)
+for _op in (_gated, _gated16):
+    _op.register_autograd(_gated_backward, setup_context=_gated_setup)
 
 
 def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -331,6 +466,8 @@ def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torc
     if x.dim() != 3 or y.shape != x.shape or tuple(gate.shape) != (x.shape[0], x.shape[2]):
         raise ValueError(f"gated_residual: x, y must be (B, T, D) and gate (B, D); got "
                          f"{tuple(x.shape)}, {tuple(y.shape)}, {tuple(gate.shape)}")
+    if x.dtype == torch.float32 and y.dtype == gate.dtype == torch.bfloat16:
+        return _gated16(x, y, gate)
     return _gated(x, y, gate)
 
 
@@ -350,11 +487,16 @@ def _dense(*ts: torch.Tensor) -> bool:
     return _fast(*ts) and all(t.is_contiguous() for t in ts) and ts[0].numel() > 0
 
 
+def _dense_any(*ts: torch.Tensor) -> bool:
+    """_dense, float32 or bfloat16 (autocast's GELU / SiLU: the kernels' bf16 forms)."""
+    return _fast_any(*ts) and all(t.is_contiguous() for t in ts) and ts[0].numel() > 0
+
+
 def aten_gelu(x, *, approximate="none"):
     return fallback.kernel_or(
         lambda: _run("gelu_tanh_fwd", x),
         lambda: torch.ops.aten.gelu.out(x, approximate=approximate, out=x.new_empty(0)),
-        "gelu", served=approximate == "tanh" and _dense(x))
+        "gelu", served=approximate == "tanh" and _dense_any(x))
 
 
 def aten_gelu_backward(grad, x, *, approximate="none"):
@@ -362,21 +504,21 @@ def aten_gelu_backward(grad, x, *, approximate="none"):
         lambda: _run("gelu_tanh_bwd", grad, x),
         lambda: torch.ops.aten.gelu_backward.grad_input(grad, x, approximate=approximate,
                                                         grad_input=x.new_empty(0)),
-        "gelu_backward", served=approximate == "tanh" and _dense(grad, x))
+        "gelu_backward", served=approximate == "tanh" and _dense_any(grad, x))
 
 
 def aten_silu(x):
     return fallback.kernel_or(
         lambda: _run("silu_fwd", x),
         lambda: torch.ops.aten.silu.out(x, out=x.new_empty(0)),
-        "silu", served=_dense(x))
+        "silu", served=_dense_any(x))
 
 
 def aten_silu_backward(grad, x):
     return fallback.kernel_or(
         lambda: _run("silu_bwd", grad, x),
         lambda: torch.ops.aten.silu_backward.grad_input(grad, x, grad_input=x.new_empty(0)),
-        "silu_backward", served=_dense(grad, x))
+        "silu_backward", served=_dense_any(grad, x))
 
 
 def aten_softmax(x, dim, half_to_float):

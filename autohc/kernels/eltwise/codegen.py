@@ -9,14 +9,14 @@ from ...runtime import pool
 from ..family import exported_declarations
 from ..isa import ISAS
 from ..render import environment
-from .params import EltwiseParams
+from .params import EltwiseParams, c_types
 
 
 def render_eltwise(kernel: str, params: EltwiseParams) -> str:
     p = params.validate().for_kernel(kernel)
     return environment().get_template("ops/eltwise.c.j2").render(
         kernel=kernel, isa=p.isa, vl=p.vl, unroll=p.unroll, stream_stores=p.stream_stores,
-        threads=p.threads, sym=p.symbol(kernel))
+        threads=p.threads, sym=p.symbol(kernel), types=c_types(kernel))
 
 
 def library(kernel: str, params: EltwiseParams):

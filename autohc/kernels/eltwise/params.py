@@ -25,8 +25,34 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "softmax_fwd": ("vl", "stream_stores", "threads"),
     "softmax_bwd": ("vl", "stream_stores", "threads"),
     "gated_residual": ("vl", "stream_stores", "threads"),
+    "gated_residual_bwd": ("vl", "threads"),
     "adamw": ("vl", "threads"),
 }
+OUTPUTS = {"gelu_tanh_fwd": "y", "gelu_tanh_bwd": "dx", "silu_fwd": "y", "silu_bwd": "dx",
+           "ln_mod_fwd": "y", "ln_mod_bwd": "dx", "gated_residual": "out", "gated_residual_bwd": "dy"}
+# bf16 forms (torch autocast's tensors): kernel -> its arrays that are bfloat16 (the rest fp32).
+# GELU / SiLU read and write bf16; LayerNorm + modulate reads the fp32 residual stream and the
+# bf16 adaLN scale / shift and writes the bf16 input of the next GEMM; the gated residual adds
+# a bf16 GEMM output to the fp32 stream.
+BF16_ARRAYS: dict[str, tuple[str, ...]] = {
+    "gelu_tanh_fwd_bf16": ("x", "y"),
+    "gelu_tanh_bwd_bf16": ("g", "x", "dx"),
+    "silu_fwd_bf16": ("x", "y"),
+    "silu_bwd_bf16": ("g", "x", "dx"),
+    "ln_mod_fwd_bf16": ("scale", "y"),
+    "ln_mod_bwd_bf16": ("dy", "scale"),
+    "gated_residual_bf16": ("y",),
+    "gated_residual_bwd_bf16": ("y",),
+}
+# the same knobs, less streaming stores where the result is bf16 (they stream float32 only)
+KERNELS.update({k: tuple(n for n in KERNELS[k.removesuffix("_bf16")]
+                         if n != "stream_stores" or OUTPUTS[k.removesuffix("_bf16")] not in arrays)
+                for k, arrays in BF16_ARRAYS.items()})
+
+
+def c_types(kernel: str) -> dict[str, str]:
+    """The C element type of each of `kernel`'s bf16 arrays (the template types the rest float)."""
+    return dict.fromkeys(BF16_ARRAYS.get(kernel, ()), "uint16_t")
 LEGACY_NAMES = {"nt": "stream_stores"}       # registries of earlier releases
 
 
