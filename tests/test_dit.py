@@ -1,5 +1,6 @@
 """DiT model, diffusion, data, trainer (checkpoints, resume, kill -9), sampling, eval."""
 import json
+from pathlib import Path
 import os
 import signal
 import subprocess
@@ -310,6 +311,38 @@ def test_train_cli_sample_and_eval(tmp_path, capsys):
     assert main(["eval", "--ckpt", str(out), "--per-class", "3", "--sample-steps", "2", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["samples"] == 30 and 0 <= r["class_match"] <= 1 and r["frechet"] > 0
+
+
+def test_compare_runs_fp32_vs_bf16(tmp_path, capsys):
+    """autohc compare: both runs' setup and losses from their checkpoints, each sampled and
+    scored, a plot in the last run's folder, a saved record; bad input is one line."""
+    runs = []
+    for prec in ("fp32", "bf16"):
+        out = tmp_path / prec
+        assert main(["train", "--model", "DiT-Ti/8", "--data", "digits", "--steps", "4", "--batch", "8",
+                     "--out", str(out), "--no-progress", "--samples-per-class", "0",
+                     "--precision", prec, "--no-first-use-tuning"]) == 0
+        runs.append(str(out))
+    capsys.readouterr()
+    assert main(["compare", *runs, "--per-class", "2", "--sample-steps", "2", "--json",
+                 "--save", str(tmp_path / "res")]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert [w["precision"] for w in r["runs"]] == ["fp32", "bf16"]
+    assert all(w["steps"] == 4 and w["samples"] == 20 and w["seed"] == 0 for w in r["runs"])
+    assert {"final_loss_rel_diff", "frechet_rel_diff"} <= set(r["runs"][1])
+    assert Path(r["plot"]) == tmp_path / "bf16" / "compare.png" and Path(r["plot"]).stat().st_size > 0
+    assert r["common_steps"] == 4 and r["smoothed_loss_max_rel_diff"] < 0.5   # same seed, same data
+    saved = list((tmp_path / "res").rglob("*.json"))
+    assert len(saved) == 1 and json.loads(saved[0].read_text())["bench"] == "compare"
+    from autohc.bench.results import load
+    from autohc.bench.results_md import readme_fidelity, summaries
+    rec = load(tmp_path / "res")
+    assert "| bf16 |" in readme_fidelity(rec) and "class match" in summaries(rec[0])[0][1]
+    assert main(["compare", runs[0]]) == 1
+    assert "two run folders" in capsys.readouterr().err
+    assert main(["compare", runs[0], str(tmp_path / "nothing")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "nothing" in err
 
 
 def test_generate_shapes():

@@ -165,7 +165,8 @@ def test_bench_save_option_on_the_command_line(tmp_path, monkeypatch, capsys):
 def test_render_replaces_only_the_marked_blocks(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text("before\n<!-- results:table:begin -->\nold\n<!-- results:table:end -->\nmid\n"
-                      "<!-- results:digits:begin -->\n<!-- results:digits:end -->\nafter\n")
+                      "<!-- results:digits:begin -->\n<!-- results:digits:end -->\n"
+                      "<!-- results:fidelity:begin -->\n<!-- results:fidelity:end -->\nafter\n")
     shutil.copytree(RESULTS, tmp_path / "results")
     results_md.render(tmp_path / "results", tmp_path / "page.md", readme)
     text = readme.read_text()

@@ -15,7 +15,7 @@ from .results import load
 
 BEGIN, END = "<!-- results:{name}:begin -->", "<!-- results:{name}:end -->"
 NOTE = "<!-- rendered by `autohc report --results` from results/; edit the files, not this -->"
-README_BLOCKS = ("table", "digits")
+README_BLOCKS = ("table", "digits", "fidelity")
 
 
 def cpu_title(c: dict) -> str:
@@ -116,6 +116,13 @@ def summaries(r: dict) -> list[tuple[str, str]]:
                  f"**{res['seconds']:.0f} s** of training: {res['steps_per_s']:.2f} steps/s, "
                  f"{res['images_per_s']:.0f} images/s; final loss {res['final_loss']:.4f}, "
                  f"peak RSS {res['peak_rss_gb']:.2f} GB")]
+    if bench == "compare":
+        rs = res["runs"]
+        return [(f"fidelity: {' vs '.join(str(w['precision']) for w in rs)}, {rs[0]['model']}, "
+                 f"{rs[0]['steps']} steps, seed {rs[0]['seed']}",
+                 "; ".join(f"{w['precision']}: final loss {w['final_loss']:.4f}, class match "
+                           f"**{100 * w['class_match']:.1f} %**, Fréchet distance **{w['frechet']:.3f}**"
+                           for w in rs))]
     if bench == "memory":
         what = f"AutoMem ({res['tier']} tier), {res['model']} batch {res['batch']}"
         if res["baseline_out_of_memory"]:
@@ -187,6 +194,26 @@ def readme_digits(results) -> str:
         out.append(f"- {cpu_title(r['cpu'])}: **{res['seconds']:.0f} s** of training "
                    f"({res['steps_per_s']:.2f} steps/s), code {_code(r)}: {_cmd(r)}")
     return "\n".join(out)
+
+
+def readme_fidelity(results) -> str:
+    rows = [r for r in latest(results) if r["bench"] == "compare"]
+    if not rows:
+        return "(no saved comparison yet: `autohc compare runs/digits runs/digits-bf16 --save`)"
+    out = []
+    for r in rows:
+        res = r["result"]
+        out += [f"{cpu_title(r['cpu'])}, code {_code(r)}: {_cmd(r)} ({res['per_class'] * 10} samples "
+                f"each, {res['sampler']} {res['sample_steps']} steps, cfg {res['cfg']}; smoothed loss "
+                f"curves within {100 * res['smoothed_loss_max_rel_diff']:.1f} % of each other):", "",
+                "| run | precision | final loss (mean of last 100 steps) | class match | Fréchet distance |",
+                "|---|---|--:|--:|--:|"]
+        out += [f"| `{w['run']}` | {w['precision']} | {w['final_loss']:.4f} | {100 * w['class_match']:.1f} % "
+                f"| {w['frechet']:.3f}"
+                + (f" ({100 * w['frechet_rel_diff']:+.1f} %)" if "frechet_rel_diff" in w else "") + " |"
+                for w in res["runs"]]
+        out.append("")
+    return "\n".join(out).rstrip()
 
 
 def _details(r: dict) -> list[str]:
@@ -281,7 +308,8 @@ def render(folder: Path | str, page: Path | str, readme: Path | str | None) -> l
     if readme is not None:
         readme = Path(readme)
         text = readme.read_text()
-        for name, body in (("table", readme_table(results)), ("digits", readme_digits(results))):
+        for name, body in (("table", readme_table(results)), ("digits", readme_digits(results)),
+                           ("fidelity", readme_fidelity(results))):
             text = replace_block(text, name, body)
         readme.write_text(text)
         wrote.append(readme)

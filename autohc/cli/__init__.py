@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     # training: torch's OpenMP workers wait briefly, so install() keeps torch's threads for what
     # autohc does not serve. `bench step` times stock torch too, with libgomp's default wait
     # unless --short-spin
-    if (words[:1] in (["train"], ["sample"], ["eval"]) and "--no-autohc" not in words) \
+    if (words[:1] in (["train"], ["sample"], ["eval"], ["compare"]) and "--no-autohc" not in words) \
             or words[:2] in (["bench", "parallel"], ["bench", "memory"]) \
             or (words[:2] == ["bench", "step"] and "--short-spin" in words):
         from ..runtime import omp
@@ -338,10 +338,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("encode", "convert"):
             from . import latents
             return (latents.cmd_encode if args.command == "encode" else latents.cmd_convert)(args)
-        if args.command in ("train", "sample", "eval") or getattr(args, "what", None) == "step":
+        if args.command in ("train", "sample", "eval", "compare") or getattr(args, "what", None) == "step":
             from . import dit as commands
-            run = {"train": commands.cmd_train, "sample": commands.cmd_sample,
-                   "eval": commands.cmd_eval}.get(args.command, commands.cmd_bench_step)
+            run = {"train": commands.cmd_train, "sample": commands.cmd_sample, "eval": commands.cmd_eval,
+                   "compare": commands.cmd_compare}.get(args.command, commands.cmd_bench_step)
             return run(args)
     except KeyboardInterrupt:
         print("autohc: interrupted", file=sys.stderr)
@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         from ..kernels.gemm.kernel import KernelError
         if isinstance(e, (BuildError, ParamError, KernelError, DataError)) or (
-                isinstance(e, ValueError) and args.command in ("info", "train", "sample", "eval", "bench", "tune")):
+                isinstance(e, ValueError) and args.command in ("info", "train", "sample", "eval", "compare", "bench", "tune")):
             print(f"autohc: {e}", file=sys.stderr)
             return 1
         raise

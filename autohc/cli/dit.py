@@ -49,6 +49,18 @@ def _sampling_args(p, *, steps_alias: bool = False) -> None:
                    help="classifier-free guidance scale; 1 = none (default: 2)")
 
 
+def _eval_args(p) -> None:
+    """What eval and compare sample and score with."""
+    p.add_argument("--per-class", type=positive_int, default=100, help="samples per class (default: 100)")
+    p.add_argument("--seed", type=int, default=0, help="noise seed (default: 0)")
+    p.add_argument("--raw", action="store_true", help="the raw model weights instead of the EMA")
+    p.add_argument("--json", action="store_true", help="one JSON object")
+    p.add_argument("--no-autohc", action="store_true", help="stock torch kernels")
+    p.add_argument("--vae", default=None, metavar="PATH_OR_ID",
+                   help="a latent model's VAE, if not where the checkpoint says")
+    _sampling_args(p, steps_alias=True)
+
+
 def add_parsers(sub, bsub) -> None:
     models = ", ".join(MODELS)
     t = sub.add_parser("train", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -143,14 +155,24 @@ def add_parsers(sub, bsub) -> None:
                                    "distance to the real digits in the classifier's feature space.",
                        epilog="example:  autohc eval --ckpt runs/digits --per-class 100 --json")
     e.add_argument("--ckpt", required=True, help="checkpoint file, or a run folder (its newest)")
-    e.add_argument("--per-class", type=positive_int, default=100, help="samples per class (default: 100)")
-    e.add_argument("--seed", type=int, default=0, help="noise seed (default: 0)")
-    e.add_argument("--raw", action="store_true", help="the raw model weights instead of the EMA")
-    e.add_argument("--json", action="store_true", help="one JSON object")
-    e.add_argument("--no-autohc", action="store_true", help="stock torch kernels")
-    e.add_argument("--vae", default=None, metavar="PATH_OR_ID",
-                   help="a latent model's VAE, if not where the checkpoint says")
-    _sampling_args(e, steps_alias=True)
+    _eval_args(e)
+
+    c = sub.add_parser("compare", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       help="training runs side by side: loss curves and digits quality (e.g. fp32 vs bf16)",
+                       description="Compares `autohc train` runs (their --out folders): the loss curves\n"
+                                   "of their newest checkpoints in one plot, and the digits quality of\n"
+                                   "each one's EMA samples (as autohc eval: the share classified as the\n"
+                                   "class asked for, the Fréchet distance to the real digits) in one\n"
+                                   "table, each run against the first. Every run samples with the same\n"
+                                   "seed, sampler and guidance.",
+                       epilog="example (the fidelity of bf16 training, same seed):\n"
+                              "  autohc train --data digits --steps 2000 --out runs/digits\n"
+                              "  autohc train --data digits --steps 2000 --out runs/digits-bf16 --precision bf16\n"
+                              "  autohc compare runs/digits runs/digits-bf16")
+    c.add_argument("runs", nargs="+", metavar="RUN", help="run folders (or checkpoint files); the first is the baseline")
+    c.add_argument("--out", default=None, help="plot path (default: compare.png in the last run's folder)")
+    _eval_args(c)
+    add_save_argument(c)
 
     b = bsub.add_parser("step", formatter_class=argparse.RawDescriptionHelpFormatter,
                         help="one DiT training step: stock torch vs torch.compile vs autohc",
@@ -341,10 +363,11 @@ def cmd_sample(args) -> int:
     return 0
 
 
-def cmd_eval(args) -> int:
+def _eval_digits(ckpt, args, progress: bool) -> dict:
+    """Digits quality of a checkpoint's samples (autohc eval's figures)."""
     from ..dit.evaluate import evaluate_digits
     from ..dit.sample import decode_latents, load_model
-    model, arch, path = load_model(args.ckpt, ema=not args.raw, fused_ops=_fused_ops(args))
+    model, arch, path = load_model(ckpt, ema=not args.raw, fused_ops=_fused_ops(args))
     latent = arch.get("latent")
     size = latent["image_size"] if latent else arch["input_size"]
     if (latent is None and arch["in_channels"] != 1) or (size, arch["num_classes"]) != (8, 10):
@@ -352,12 +375,18 @@ def cmd_eval(args) -> int:
                          f"10 classes); this one makes {size} x {size} "
                          f"{'images through a VAE' if latent else 'images'}, {arch['num_classes']} classes")
     with _kernels(args):
-        x, y = _generate(model, arch, list(range(10)), args.per_class, args, progress=not args.json)
+        x, y = _generate(model, arch, list(range(10)), args.per_class, args, progress=progress)
     x = decode_latents(x, arch, args.vae)
     if tuple(x.shape[1:]) != (1, 8, 8):
         raise ValueError(f"{path}: the VAE decodes to {tuple(x.shape[1:])}, not 1 x 8 x 8 digits")
     r = evaluate_digits(x, y)
     r.update(ckpt=str(path), sampler=args.sampler, sample_steps=args.sample_steps, cfg=args.cfg)
+    return r
+
+
+def cmd_eval(args) -> int:
+    r = _eval_digits(args.ckpt, args, progress=not args.json)
+    path = r["ckpt"]
     if args.json:
         print(json.dumps(r, indent=2))
     else:
@@ -367,6 +396,34 @@ def cmd_eval(args) -> int:
               f"  Fréchet distance to the real digits: {r['frechet']:.3f}  "
               f"(between two halves of the real digits: {r['frechet_real_halves']:.3f})\n"
               f"  classifier accuracy on held-out real digits: {100 * r['classifier_test_accuracy']:.1f}%")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from ..dit import compare
+    from ..torch.threads import kernel_threads
+    if len(args.runs) < 2:
+        raise ValueError(f"compare: give two run folders or more, got {len(args.runs)}")
+    rec = recorder("compare", args)
+    runs = [compare.run_summary(r) for r in args.runs]     # every run readable before sampling
+    for r in runs:
+        if not args.json:
+            print(f"autohc: sampling {r['run']} ({r['ckpt']}) for its digits quality", file=sys.stderr)
+        r.update(_eval_digits(r["ckpt"], args, progress=not args.json))
+        r["ckpt"] = str(r["ckpt"])
+    summary = compare.summarize(runs)
+    out = Path(args.out) if args.out else Path(args.runs[-1]) / "compare.png"
+    summary.update(plot=str(compare.plot(runs, summary, out)), sampler=args.sampler,
+                   sample_steps=args.sample_steps, cfg=args.cfg, per_class=args.per_class)
+    if rec is not None:
+        print(f"autohc: result saved to {rec.save(summary, threads=kernel_threads())}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(compare.table(summary))
+        print(f"smoothed loss curves ({summary['smoothing_steps']} steps) within "
+              f"{100 * summary['smoothed_loss_max_rel_diff']:.1f} % of the first run's over "
+              f"{summary['common_steps']} steps; plot: {summary['plot']}")
     return 0
 
 

@@ -258,6 +258,7 @@ class Trainer:
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict:
         return {"format": "autohc-dit-1", "arch": self.arch, "config": asdict(self.cfg),
+                "precision": self.precision,      # what ran (config says what was asked: auto)
                 "step": self.step, "model": self.model.state_dict(), "ema": self.ema.state_dict(),
                 "opt": self.opt.state_dict(), "rng_global": torch.get_rng_state(),
                 "rng_trainer": self.gen.get_state(), "data": self.batches.state_dict(),
