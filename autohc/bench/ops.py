@@ -2,9 +2,9 @@
 tokens x hidden, 2048 x 4608 MLP activations, 8 x 16 x 256 x 256 attention scores) against
 torch eager; fused attention forward and backward at DiT-XL/2 (16 heads of 72) and DiT-S/2
 (6 heads of 64) shapes against torch's CPU flash attention (what
-F.scaled_dot_product_attention runs), with GFLOP/s, in fp32 or (dtype bf16: q, k, v as
-torch.autocast gives them) in bf16 against torch's bf16 flash attention; and autohc.optim.AdamW against torch.optim.AdamW (fused=True and foreach=True)
-over the 675M parameters of DiT-XL/2.
+F.scaled_dot_product_attention runs), with GFLOP/s; and autohc.optim.AdamW against
+torch.optim.AdamW (fused=True and foreach=True) over the 675M parameters of DiT-XL/2. dtype
+bf16: the operators and attention with the dtypes torch.autocast gives them, on both sides.
 
 The autohc and torch versions of an op are timed by the one protocol (bench/timing.py:
 interleaved, warmed up, samples of 20 ms and more, medians with their spread), each call
@@ -101,6 +101,55 @@ def op_cases(images: int = 8):
     ]
 
 
+def _autocast(fn):
+    """fn run under torch.autocast to bf16 (the fused ops' bf16 forms, and torch's, as a
+    DiT under autocast runs them)."""
+    def run(*a):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return fn(*a)
+    return run
+
+
+def _modulate_ref_bf16(x, scale, shift):
+    """torch under autocast: LayerNorm in fp32, modulated by bf16 scale / shift, rounded to the
+    bf16 input of the next GEMM (the Linear's autocast cast)."""
+    return _modulate_ref(x, scale, shift).to(torch.bfloat16)
+
+
+def bf16_op_cases(images: int = 8):
+    """op_cases as torch.autocast runs them in DiT-XL/2: GELU / SiLU on bf16 tensors, LayerNorm
+    + modulate of the fp32 stream with bf16 scale / shift to the bf16 GEMM input, the gated
+    residual adding a bf16 GEMM output to the fp32 stream; forward and backward."""
+    T, D, H = 256, 1152, 4608
+    M = images * T
+    g = torch.Generator().manual_seed(0)
+    bf = torch.bfloat16
+    big, dbig = (torch.randn(M, H, generator=g).to(bf) for _ in range(2))
+    x = torch.randn(images, T, D, generator=g)
+    y = torch.randn(images, T, D, generator=g).to(bf)
+    scale, shift, gate = ((torch.randn(images, D, generator=g) * 0.1).to(bf) for _ in range(3))
+    n_big, n_x = big.numel(), x.numel()
+    shp_big, shp_x = f"{M}x{H}", f"{images}x{T}x{D}"
+    ln, ln_ref = _autocast(ops.layernorm_modulate), _autocast(_modulate_ref_bf16)
+    return [
+        ("gelu_tanh", shp_big, 4 * n_big, lambda: ops.gelu_tanh(big), lambda: F.gelu(big, approximate="tanh")),
+        ("gelu_tanh_backward", shp_big, 6 * n_big, lambda: ops.gelu_tanh_backward(dbig, big),
+         lambda: torch.ops.aten.gelu_backward(dbig, big, approximate="tanh")),
+        ("silu", shp_big, 4 * n_big, lambda: ops.silu(big), lambda: F.silu(big)),
+        ("silu_backward", shp_big, 6 * n_big, lambda: ops.silu_backward(dbig, big),
+         lambda: torch.ops.aten.silu_backward(dbig, big)),
+        # x fp32 in, y bf16 out; backward: dy bf16 and x in, dx fp32 out
+        ("layernorm_modulate", shp_x, 6 * n_x, lambda: ln(x, scale, shift), lambda: ln_ref(x, scale, shift)),
+        ("layernorm_modulate_backward", shp_x, 10 * n_x, grad_fn(ln, x, scale, shift),
+         grad_fn(ln_ref, x, scale, shift)),
+        # x fp32 + gate * y (bf16) -> fp32; backward: g fp32 in, dy bf16 out (dx is g)
+        ("gated_residual", shp_x, 10 * n_x, lambda: ops.gated_residual(x, y, gate),
+         lambda: x + gate.unsqueeze(1) * y),
+        ("gated_residual_backward", shp_x, 8 * n_x, grad_fn(ops.gated_residual, x, y, gate),
+         grad_fn(lambda a, b, c: a + c.unsqueeze(1) * b, x, y, gate)),
+    ]
+
+
 ATTENTION_SHAPES = {"": (16, 72), "_s2": (6, 64)}     # DiT-XL/2, DiT-S/2: heads, head dim
 
 
@@ -175,13 +224,13 @@ def bench_adamw(n: int = XL_PARAMS, repeats: int = 3, progress=None) -> tuple[Op
 
 def bench_ops(images: int = 8, repeats: int = 9, adamw_params: int = XL_PARAMS,
               names: list[str] | None = None, progress=None, dtype: str = "fp32") -> dict:
-    """dtype bf16: the attention rows in bf16 (the element-wise operators and AdamW have no
-    bf16 kernels yet, so no bf16 rows)."""
+    """dtype bf16: the fused operators and attention as torch.autocast runs them (bf16_op_cases;
+    AdamW keeps fp32 master weights, so no bf16 row)."""
     say = progress or (lambda m: None)
     if dtype not in ("fp32", "bf16"):
         raise ValueError(f"dtype {dtype!r}: fp32 or bf16")
     bf16 = dtype == "bf16"
-    cases = ([] if bf16 else [(*c[:3], None, *c[3:]) for c in op_cases(images)]) \
+    cases = [(*c[:3], None, *c[3:]) for c in (bf16_op_cases if bf16 else op_cases)(images)] \
         + attention_cases(images, torch.bfloat16 if bf16 else torch.float32)
     if bf16:
         adamw_params = 0
@@ -199,7 +248,7 @@ def bench_ops(images: int = 8, repeats: int = 9, adamw_params: int = XL_PARAMS,
         gbps = nbytes / t["autohc"] / 1e9
         rows.append(OpRow(name, shape, 1e3 * t["autohc"], 1e3 * t["torch"], t["torch"] / t["autohc"],
                           gbps, 100 * gbps / bw, nbytes / t["torch"] / 1e9,
-                          ("torch flash attention" + (" (bf16)" if bf16 else "")) if flops else "torch eager",
+                          ("torch flash attention" if flops else "torch eager") + (" (bf16)" if bf16 else ""),
                           tt["autohc"].spread_pct,
                           flops / t["autohc"] / 1e9 if flops else None,
                           flops / t["torch"] / 1e9 if flops else None))
