@@ -259,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "%% of a copy's bandwidth measured in the same run;\nand autohc.optim.AdamW "
                     "against torch.optim.AdamW fused=True and foreach=True over 675M parameters.",
         epilog="examples:\n  autohc bench ops\n  autohc bench ops --ops gelu_tanh softmax --adamw-params 0 --json\n"
-               "  autohc bench ops --dtype bf16   # attention in bf16 (as under torch.autocast) vs torch's bf16\n"
+               "  autohc bench ops --dtype bf16   # the ops and attention as under torch.autocast, vs torch's\n"
                "  autohc bench ops --adamw-params 50000000   # AdamW on less memory (675M needs ~14 GB)")
     o.add_argument("--images", type=positive_int, default=8, help="images: 256 tokens each (default: 8)")
     o.add_argument("--repeats", type=positive_int, default=9, help="timed repeats (default: 9)")
@@ -269,8 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only these rows (names as in the table; 'adamw' included)")
     o.add_argument("--threads", type=positive_int, default=None, help="threads (default: all usable)")
     o.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
-                   help="fp32 (default), or bf16: the attention rows with bf16 q, k, v against torch's "
-                        "bf16 flash attention (no bf16 element-wise rows yet)")
+                   help="fp32 (default), or bf16: the operators and attention with the dtypes "
+                        "torch.autocast gives them, against torch under autocast")
     o.add_argument("--json", action="store_true", help="one JSON object (rows: name, ms, torch_ms, speedup, gbps, ...)")
     add_save_argument(o)
     o.add_argument("--contended", action="store_true", help=argparse.SUPPRESS)
