@@ -46,7 +46,7 @@ def test_tune_op_records_and_ops_use_it(reg):
 
 
 def test_a_wrong_kernel_never_wins(reg, monkeypatch):
-    def wrong(got, reference, what):
+    def wrong(got, reference, what, agree=None):
         raise op_tuner.WrongResult(what)
     monkeypatch.setattr(op_tuner, "check_same", wrong)
     with pytest.raises(RuntimeError, match="no candidate passed the correctness check"):
@@ -103,9 +103,32 @@ def test_tune_attention_records_and_sdpa_uses_it(reg):
 
 
 def test_a_wrong_attention_kernel_never_wins(reg, monkeypatch):
-    def wrong(got, reference, what):
+    def wrong(got, reference, what, agree=None):
         raise op_tuner.WrongResult(what)
     monkeypatch.setattr(op_tuner, "check_same", wrong)
     with pytest.raises(RuntimeError, match="no candidate passed the correctness check"):
         op_tuner.tune_op("attention", 1, images=1, repeats=1, timeout=5)
     assert registry.lookup_op("attention", "attention", 1) is None
+
+
+def test_tune_bf16_forms_record_their_own_entries(reg, capsys):
+    """--dtype bf16: the bf16 form of an op (and of attention) is tuned against torch under
+    autocast, recorded as its own kernel, and picked up by the bf16 calls only."""
+    from autohc.torch import attention
+    r = op_tuner.tune_op("gelu_tanh", 1, images=1, repeats=1, dtype="bf16")
+    assert r["kernel"] == "gelu_tanh_fwd_bf16"
+    assert ops.params_for("gelu_tanh_fwd_bf16") == ops.EltwiseParams(**r["params"])
+    assert registry.lookup_op("eltwise", "gelu_tanh_fwd", 1) is None          # fp32 untouched
+    x = torch.randn(300, 1000).to(torch.bfloat16)
+    torch.testing.assert_close(ops.gelu_tanh(x).float(), torch.nn.functional.gelu(x, approximate="tanh").float(),
+                               rtol=1e-2, atol=1e-2)
+    before = attention.params_for(torch.bfloat16)
+    r = op_tuner.tune_op("attention", 1, images=1, repeats=1, timeout=5, dtype="bf16")
+    assert r["kernel"] == "attention_bf16" and registry.lookup_op("attention", "attention", 1) is None
+    p = attention.params_for(torch.bfloat16)
+    assert p.dtype == "bf16" and p.isa == before.isa
+    assert {k: getattr(p, k) for k in r["params"] if k != "isa"} == {k: v for k, v in r["params"].items() if k != "isa"}
+    assert main(["tune", "--op", "adamw", "--dtype", "bf16"]) == 1
+    assert "unknown op ['adamw']" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="no bf16 form"):
+        op_tuner.tune_op("softmax", 1, dtype="bf16")

@@ -95,18 +95,22 @@ def cmd_tune(args, parser) -> int:
 def _tune_ops(args, threads: int) -> int:
     from ..tune.ops import OP_KERNELS, tune_op
     known = [*OP_KERNELS, "attention"]
+    if args.dtype == "bf16":        # the ops autocast leaves bf16 tensors to
+        from ..bench.ops import bf16_op_cases
+        known = [n for n in known if n in {c[0] for c in bf16_op_cases(1)} | {"attention"}]
     names = known if args.op == ["all"] else args.op
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(f"unknown op {unknown}; one of {', '.join(known)} or all")
     say = None if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
     for name in names:
-        r = tune_op(name, threads, images=args.images, timeout=args.timeout, seed=args.seed, progress=say)
+        r = tune_op(name, threads, images=args.images, timeout=args.timeout, seed=args.seed, progress=say,
+                    dtype=args.dtype)
         if args.json:
             print(json.dumps(r))
         else:
             knobs = " ".join(f"{k} {v}" for k, v in r["params"].items() if k != "isa")
-            print(f"{name}: {knobs} ({r['params']['isa']}), {r['ms']:.2f} ms, "
+            print(f"{name}{' bf16' if args.dtype == 'bf16' else ''}: {knobs} ({r['params']['isa']}), {r['ms']:.2f} ms, "
                   f"torch {r['torch_ms']:.2f} ms, {r['speedup_vs_torch']:.2f}x, {r['trials']} trials "
                   f"-> registry")
     return 0

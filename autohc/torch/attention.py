@@ -49,13 +49,15 @@ def forced_params(params: AttentionParams):
 
 def params_for(dtype: torch.dtype = torch.float32) -> AttentionParams:
     """The tuner's trial, else the registry's tuned parameters for this CPU and thread count
-    (`autohc tune --op attention`), else the default; for bf16 the same blocks and tiles on
-    the bf16 back-end (bf16_isa)."""
+    (`autohc tune --op attention [--dtype bf16]`), else the default; bf16 without its own
+    entry takes the fp32 blocks and tiles on the bf16 back-end (bf16_isa)."""
     if _forced and _forced[-1].dtype == ("bf16" if dtype == torch.bfloat16 else "fp32"):
         return _forced[-1]
-    p = (registry.tuned_op_params("attention", KERNEL, kernel_threads())
+    bf16 = dtype == torch.bfloat16
+    p = ((bf16 and registry.tuned_op_params("attention", KERNEL + "_bf16", kernel_threads()))
+         or registry.tuned_op_params("attention", KERNEL, kernel_threads())
          or default_attention(cpu.best_isa()))
-    if dtype != torch.bfloat16:
+    if not bf16:
         return p
     isa = bf16_isa()[0]
     try:

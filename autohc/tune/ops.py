@@ -2,7 +2,9 @@
 and the fused attention's (search_spaces/attention.yaml) searched by measurement, as for GEMMs. The space is small, so Optuna walks all of it (a grid);
 each candidate must first compute what torch computes on the op's DiT-XL/2-sized tensors
 (`autohc bench ops` cases), then it is timed interleaved with torch. The best goes to the
-registry under (CPU, kernel, threads), where autohc.ops picks it up on its next call."""
+registry under (CPU, kernel, threads), where autohc.ops picks it up on its next call.
+`--dtype bf16` tunes the bf16 forms (the kernels torch.autocast's tensors meet) the same way,
+against torch under autocast, each its own registry entry (`<kernel>_bf16`)."""
 from __future__ import annotations
 
 import time
@@ -10,7 +12,7 @@ import time
 import optuna
 import torch
 
-from ..bench.ops import adamw_params, op_cases
+from ..bench.ops import adamw_params, bf16_op_cases, op_cases
 from ..hw import cpu
 from ..kernels.eltwise import KERNELS, EltwiseParams, default_eltwise
 from ..kernels.eltwise.codegen import library
@@ -55,14 +57,14 @@ def _adamw_case(images: int):
             lambda: first_step(lambda ps: torch.optim.AdamW(ps, fused=True, **hyper)))
 
 
-def _attention_case(images: int):
+def _attention_case(images: int, dtype: torch.dtype = torch.float32):
     """(shape, bytes, forward + backward by autohc, the same by torch's CPU flash attention):
     DiT-XL/2's attention (16 heads of 72, 256 tokens), q, k, v views of one qkv tensor."""
     from ..torch import attention
     T, heads, hd = 256, 16, 72
-    qkv = torch.randn(images, T, 3, heads, hd, generator=torch.Generator().manual_seed(2)).permute(2, 0, 3, 1, 4)
+    qkv = torch.randn(images, T, 3, heads, hd, generator=torch.Generator().manual_seed(2)).to(dtype).permute(2, 0, 3, 1, 4)
     q, k, v = qkv.unbind(0)
-    grad = torch.randn(images, heads, T, hd, generator=torch.Generator().manual_seed(3))
+    grad = torch.randn(images, heads, T, hd, generator=torch.Generator().manual_seed(3)).to(dtype)
     flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
     def mine():
@@ -72,25 +74,32 @@ def _attention_case(images: int):
     def theirs():
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)
         return (o, *flash_backward(grad, q, k, v, o, lse, 0.0, False))
-    return f"{images}x{heads}x{T}x{hd}", 12 * q.numel() * 4, mine, theirs
+    return f"{images}x{heads}x{T}x{hd}", 12 * q.numel() * q.element_size(), mine, theirs
 
 
 class _Target:
     """What the search needs of one kernel: its space, how to make, force and build
     parameters, its default, and where the result is recorded."""
 
-    def __init__(self, name: str, isa: str, threads: int):
+    def __init__(self, name: str, isa: str, threads: int, bf16: bool = False):
         from ..kernels.attention import AttentionParams, default_attention
         from ..kernels.attention.codegen import library as attention_library
+        from ..kernels.attention.params import bf16_attention
         from ..torch import attention
         if name == "attention":
-            self.op, self.kernel, self.space = "attention", "attention", grid(isa, threads, space="attention")
-            self.make = lambda knobs: AttentionParams(isa=isa, **knobs)
+            self.op, self.space = "attention", grid(isa, threads, space="attention")
+            self.kernel = attention.KERNEL + ("_bf16" if bf16 else "")
+            if bf16:        # the fp32 space's blocks and tiles, on the bf16 back-end
+                bisa = attention.bf16_isa()[0]
+                self.make = lambda knobs: bf16_attention(AttentionParams(isa=isa, **knobs), bisa)
+                self.default = bf16_attention(default_attention(isa), bisa)
+            else:
+                self.make = lambda knobs: AttentionParams(isa=isa, **knobs)
+                self.default = default_attention(isa)
             self.force = attention.forced_params
             self.build = attention_library
-            self.default = default_attention(isa)
         else:
-            kernel = OP_KERNELS[name]
+            kernel = OP_KERNELS[name] + ("_bf16" if bf16 else "")
             self.op, self.kernel, self.space = "eltwise", kernel, grid(isa, threads, kernel)
             self.make = lambda knobs: EltwiseParams(isa=isa, **knobs)
             self.force = lambda p: ops.forced_params(kernel, p)
@@ -110,11 +119,30 @@ def grid(isa: str, threads: int, kernel: str | None = None, space: str = "eltwis
     return out
 
 
+def same_bf16(a, b) -> bool:
+    """bf16 results: within a few bf16 roundings of torch's under autocast (which rounds some
+    intermediates that the kernels keep in fp32), sums to their size."""
+    a, b = (a, b) if isinstance(a, tuple) else ((a,), (b,))
+    return len(a) == len(b) and all(
+        u.dtype == v.dtype and torch.allclose(u.float(), v.float().reshape(u.shape), rtol=2e-2,
+                                              atol=2e-2 * max(1.0, v.float().abs().max().item()),
+                                              equal_nan=True)
+        for u, v in zip(a, b))
+
+
 def tune_op(name: str, threads: int | None = None, *, images: int = 8, repeats: int = 5,
-            timeout: float = 60.0, seed: int = 0, progress=None) -> dict:
-    """Tune one operator's kernel; records and returns the best (params, ms, torch_ms)."""
+            timeout: float = 60.0, seed: int = 0, progress=None, dtype: str = "fp32") -> dict:
+    """Tune one operator's kernel (dtype bf16: its bf16 form); records and returns the best
+    (params, ms, torch_ms)."""
     if name not in OP_KERNELS and name != "attention":
         raise ValueError(f"unknown op {name!r}; one of {', '.join(OP_KERNELS)}, attention")
+    if dtype not in ("fp32", "bf16"):
+        raise ValueError(f"dtype {dtype!r}: fp32 or bf16")
+    bf16 = dtype == "bf16"
+    if bf16 and name not in {c[0] for c in bf16_op_cases(1)} | {"attention"}:
+        raise ValueError(f"tune --op {name} --dtype bf16: {name} has no bf16 form "
+                         "(autocast leaves it fp32); the bf16 ones: "
+                         f"{', '.join(c[0] for c in bf16_op_cases(1) if c[0] in OP_KERNELS)}, attention")
     threads = threads or torch.get_num_threads()       # what autohc.ops uses, uninstalled
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -122,13 +150,15 @@ def tune_op(name: str, threads: int | None = None, *, images: int = 8, repeats: 
         if name == "adamw":
             shape, nbytes, mine, theirs, check, their_check = _adamw_case(images)
         elif name == "attention":
-            shape, nbytes, mine, theirs = _attention_case(images)
+            shape, nbytes, mine, theirs = _attention_case(images, torch.bfloat16 if bf16 else torch.float32)
             check, their_check = mine, theirs
         else:
-            _, shape, nbytes, mine, theirs = next(c for c in op_cases(images) if c[0] == name)
+            cases = bf16_op_cases(images) if bf16 else op_cases(images)
+            _, shape, nbytes, mine, theirs = next(c for c in cases if c[0] == name)
             check, their_check = mine, theirs
         isa = cpu.best_isa()
-        target = _Target(name, isa, threads)
+        target = _Target(name, isa, threads, bf16)
+        agree = same_bf16 if bf16 else None
         space, kernel = target.space, target.kernel
         reference = their_check()
         timings: dict[int, tuple[float, float]] = {}
@@ -141,7 +171,7 @@ def tune_op(name: str, threads: int | None = None, *, images: int = 8, repeats: 
                 raise optuna.TrialPruned(str(e)) from None
             with target.force(params):
                 cand = pipeline.Candidate(params, lambda: target.build(params),
-                                          lambda: check_same(check(), reference, name), mine)
+                                          lambda: check_same(check(), reference, name, agree), mine)
                 try:
                     m = pipeline.evaluate(cand, theirs, samples=repeats)
                 except WrongResult:
