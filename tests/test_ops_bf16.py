@@ -75,7 +75,7 @@ def test_gelu_silu_bf16_special_values_and_layouts():
     assert torch.equal(one, two)
 
 
-def test_install_routes_bf16_gelu_and_silu_under_autocast():
+def test_install_routes_bf16_gelu_not_silu_under_autocast():
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(40, 64), nn.GELU(approximate="tanh"), nn.Linear(64, 64), nn.SiLU())
     x = torch.randn(16, 40, requires_grad=True)
@@ -94,7 +94,8 @@ def test_install_routes_bf16_gelu_and_silu_under_autocast():
             (y.float() * w).sum().backward()
     finally:
         ops._run = real
-    assert {(k, BF) for k in ("gelu_tanh_fwd", "gelu_tanh_bwd", "silu_fwd", "silu_bwd")} <= set(calls)
+    assert {(k, BF) for k in ("gelu_tanh_fwd", "gelu_tanh_bwd")} <= set(calls)
+    assert not {(k, BF) for k in ("silu_fwd", "silu_bwd")} & set(calls)     # ATen's is faster
     assert y.dtype == BF
     assert (y.float() - ref.float()).abs().max() <= 2 * HALF_ULP * ref.float().abs().max()
     assert (x.grad - gref).abs().max() <= 0.05 * gref.abs().max()

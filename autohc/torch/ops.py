@@ -11,7 +11,7 @@ gated residual (forward + backward).
 float32 CPU tensors run the generated kernels as teams of the native worker pool, over
 autohc.torch.threads.kernel_threads() threads (install()'s count while installed, else
 torch.get_num_threads()); cffi releases the GIL. bfloat16 tensors (torch.autocast's) run the
-kernels' `_bf16` forms: GELU and SiLU read and write bf16; under autocast to bf16,
+kernels' `_bf16` forms: GELU and SiLU read and write bf16 (install() serves bf16 GELU); under autocast to bf16,
 layernorm_modulate of the fp32 stream with bf16 scale / shift writes the bf16 input of the next
 GEMM, and gated_residual adds a bf16 GEMM output to the fp32 stream. The arithmetic is fp32,
 each bf16 result rounded once. Everything else runs torch's own implementation.
@@ -507,18 +507,20 @@ def aten_gelu_backward(grad, x, *, approximate="none"):
         "gelu_backward", served=approximate == "tanh" and _dense_any(grad, x))
 
 
+# bf16 SiLU stays ATen's under install(): its bf16 kernel is slower there (measured on a Zen 4,
+# `autohc bench ops --dtype bf16`: 0.82x forward, 0.88x backward); autohc.ops.silu still takes bf16
 def aten_silu(x):
     return fallback.kernel_or(
         lambda: _run("silu_fwd", x),
         lambda: torch.ops.aten.silu.out(x, out=x.new_empty(0)),
-        "silu", served=_dense_any(x))
+        "silu", served=_dense(x))
 
 
 def aten_silu_backward(grad, x):
     return fallback.kernel_or(
         lambda: _run("silu_bwd", grad, x),
         lambda: torch.ops.aten.silu_backward.grad_input(grad, x, grad_input=x.new_empty(0)),
-        "silu_backward", served=_dense_any(grad, x))
+        "silu_backward", served=_dense(grad, x))
 
 
 def aten_softmax(x, dim, half_to_float):
