@@ -99,7 +99,8 @@ def plot(runs: list[dict], summary: dict, path: str | Path) -> Path:
 
 def table(summary: dict) -> str:
     """The comparison as a Markdown table (what the command prints)."""
-    out = ["| run | precision | seed | steps | final loss (mean of last 100) | class match | Fréchet distance |",
+    out = ["| run | precision | seed | steps | final loss (mean of last 100) | class match "
+           "| Fréchet distance |",
            "|---|---|--:|--:|--:|--:|--:|"]
     for r in summary["runs"]:
         d = f" ({100 * r['final_loss_rel_diff']:+.1f} %)" if "final_loss_rel_diff" in r else ""

@@ -11,9 +11,9 @@ gated residual (forward + backward).
 float32 CPU tensors run the generated kernels as teams of the native worker pool, over
 autohc.torch.threads.kernel_threads() threads (install()'s count while installed, else
 torch.get_num_threads()); cffi releases the GIL. bfloat16 tensors (torch.autocast's) run the
-kernels' `_bf16` forms: GELU and SiLU read and write bf16 (install() serves bf16 GELU); under autocast to bf16,
-layernorm_modulate of the fp32 stream with bf16 scale / shift writes the bf16 input of the next
-GEMM, and gated_residual adds a bf16 GEMM output to the fp32 stream. The arithmetic is fp32,
+kernels' `_bf16` forms: GELU and SiLU read and write bf16 (install() serves bf16 GELU); under
+autocast to bf16, layernorm_modulate of the fp32 stream with bf16 scale / shift writes the bf16
+input of the next GEMM, and gated_residual adds a bf16 GEMM output to the fp32 stream. The arithmetic is fp32,
 each bf16 result rounded once. Everything else runs torch's own implementation.
 """
 from __future__ import annotations
@@ -80,8 +80,6 @@ def _ptr(ffi, t):
     return ffi.cast("uint16_t *" if t.dtype == torch.bfloat16 else "float *", t.data_ptr())
 
 
-
-
 def _run(name: str, *tensors: torch.Tensor, params: EltwiseParams | None = None) -> torch.Tensor:
     """out = f(*tensors) on contiguous CPU tensors of one shape and dtype (element-wise
     kernels): float32 runs `name`, bfloat16 its `name_bf16` form."""
@@ -98,7 +96,8 @@ def _strided_cpu(*ts: torch.Tensor) -> bool:
 
 
 def _fast(*ts: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 for t in ts) and _strided_cpu(*ts) and len({t.shape for t in ts}) == 1
+    return (all(t.dtype == torch.float32 for t in ts) and _strided_cpu(*ts)
+            and len({t.shape for t in ts}) == 1)
 
 
 def _fast_any(*ts: torch.Tensor) -> bool:

@@ -62,7 +62,8 @@ def _attention_case(images: int, dtype: torch.dtype = torch.float32):
     DiT-XL/2's attention (16 heads of 72, 256 tokens), q, k, v views of one qkv tensor."""
     from ..torch import attention
     T, heads, hd = 256, 16, 72
-    qkv = torch.randn(images, T, 3, heads, hd, generator=torch.Generator().manual_seed(2)).to(dtype).permute(2, 0, 3, 1, 4)
+    qkv = torch.randn(images, T, 3, heads, hd, generator=torch.Generator().manual_seed(2))
+    qkv = qkv.to(dtype).permute(2, 0, 3, 1, 4)
     q, k, v = qkv.unbind(0)
     grad = torch.randn(images, heads, T, hd, generator=torch.Generator().manual_seed(3)).to(dtype)
     flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
