@@ -66,6 +66,20 @@ def grad_fn(fn, *inputs):
     return lambda: torch.autograd.grad(y, leaves, g, retain_graph=True)
 
 
+def _activation_cases(big, dbig, shape: str):
+    """GELU (tanh) and SiLU, forward and backward, on activations `big` (upstream gradient
+    `dbig`) of either dtype: the bytes follow its element size."""
+    n = big.numel() * big.element_size()
+    return [
+        ("gelu_tanh", shape, 2 * n, lambda: ops.gelu_tanh(big), lambda: F.gelu(big, approximate="tanh")),
+        ("gelu_tanh_backward", shape, 3 * n, lambda: ops.gelu_tanh_backward(dbig, big),
+         lambda: torch.ops.aten.gelu_backward(dbig, big, approximate="tanh")),
+        ("silu", shape, 2 * n, lambda: ops.silu(big), lambda: F.silu(big)),
+        ("silu_backward", shape, 3 * n, lambda: ops.silu_backward(dbig, big),
+         lambda: torch.ops.aten.silu_backward(dbig, big)),
+    ]
+
+
 def op_cases(images: int = 8):
     """(name, shape, bytes moved, autohc callable, torch callable) per operator."""
     T, D, H, heads = 256, 1152, 4608, 16
@@ -79,16 +93,10 @@ def op_cases(images: int = 8):
     att = torch.randn(images, heads, T, T, generator=g)
     p_att = torch.softmax(att, -1)
     datt = torch.randn_like(att)
-    n_big, n_x, n_att = big.numel() * 4, x.numel() * 4, att.numel() * 4
+    n_x, n_att = x.numel() * 4, att.numel() * 4
     shp_big, shp_x = f"{M}x{H}", f"{images}x{T}x{D}"
     shp_att = f"{images}x{heads}x{T}x{T}"
-    return [
-        ("gelu_tanh", shp_big, 2 * n_big, lambda: ops.gelu_tanh(big), lambda: F.gelu(big, approximate="tanh")),
-        ("gelu_tanh_backward", shp_big, 3 * n_big, lambda: ops.gelu_tanh_backward(dbig, big),
-         lambda: torch.ops.aten.gelu_backward(dbig, big, approximate="tanh")),
-        ("silu", shp_big, 2 * n_big, lambda: ops.silu(big), lambda: F.silu(big)),
-        ("silu_backward", shp_big, 3 * n_big, lambda: ops.silu_backward(dbig, big),
-         lambda: torch.ops.aten.silu_backward(dbig, big)),
+    return _activation_cases(big, dbig, shp_big) + [
         ("layernorm_modulate", shp_x, 2 * n_x, lambda: ops.layernorm_modulate(x, scale, shift),
          lambda: _modulate_ref(x, scale, shift)),
         ("layernorm_modulate_backward", shp_x, 3 * n_x,
@@ -128,16 +136,10 @@ def bf16_op_cases(images: int = 8):
     x = torch.randn(images, T, D, generator=g)
     y = torch.randn(images, T, D, generator=g).to(bf)
     scale, shift, gate = ((torch.randn(images, D, generator=g) * 0.1).to(bf) for _ in range(3))
-    n_big, n_x = big.numel(), x.numel()
+    n_x = x.numel()
     shp_big, shp_x = f"{M}x{H}", f"{images}x{T}x{D}"
     ln, ln_ref = _autocast(ops.layernorm_modulate), _autocast(_modulate_ref_bf16)
-    return [
-        ("gelu_tanh", shp_big, 4 * n_big, lambda: ops.gelu_tanh(big), lambda: F.gelu(big, approximate="tanh")),
-        ("gelu_tanh_backward", shp_big, 6 * n_big, lambda: ops.gelu_tanh_backward(dbig, big),
-         lambda: torch.ops.aten.gelu_backward(dbig, big, approximate="tanh")),
-        ("silu", shp_big, 4 * n_big, lambda: ops.silu(big), lambda: F.silu(big)),
-        ("silu_backward", shp_big, 6 * n_big, lambda: ops.silu_backward(dbig, big),
-         lambda: torch.ops.aten.silu_backward(dbig, big)),
+    return _activation_cases(big, dbig, shp_big) + [
         # x fp32 in, y bf16 out; backward: dy bf16 and x in, dx fp32 out
         ("layernorm_modulate", shp_x, 6 * n_x, lambda: ln(x, scale, shift), lambda: ln_ref(x, scale, shift)),
         ("layernorm_modulate_backward", shp_x, 10 * n_x, grad_fn(ln, x, scale, shift),
