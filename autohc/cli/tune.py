@@ -93,11 +93,8 @@ def cmd_tune(args, parser) -> int:
 
 
 def _tune_ops(args, threads: int) -> int:
-    from ..tune.ops import OP_KERNELS, tune_op
-    known = [*OP_KERNELS, "attention"]
-    if args.dtype == "bf16":        # the ops autocast leaves bf16 tensors to
-        from ..bench.ops import bf16_op_cases
-        known = [n for n in known if n in {c[0] for c in bf16_op_cases(1)} | {"attention"}]
+    from ..tune.ops import BF16_OPS, OP_KERNELS, tune_op
+    known = list(BF16_OPS) if args.dtype == "bf16" else [*OP_KERNELS, "attention"]
     names = known if args.op == ["all"] else args.op
     unknown = [n for n in names if n not in known]
     if unknown:

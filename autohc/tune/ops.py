@@ -15,6 +15,7 @@ import torch
 from ..bench.ops import adamw_params, bf16_op_cases, op_cases
 from ..hw import cpu
 from ..kernels.eltwise import KERNELS, EltwiseParams, default_eltwise
+from ..kernels.eltwise.params import BF16_ARRAYS
 from ..kernels.eltwise.codegen import library
 from ..kernels.family import ParamError
 from ..torch import ops
@@ -28,6 +29,8 @@ OP_KERNELS = {"gelu_tanh": "gelu_tanh_fwd", "gelu_tanh_backward": "gelu_tanh_bwd
               "layernorm_modulate": "ln_mod_fwd", "layernorm_modulate_backward": "ln_mod_bwd",
               "softmax": "softmax_fwd", "softmax_backward": "softmax_bwd",
               "gated_residual": "gated_residual", "adamw": "adamw"}
+# the ops with a bf16 form (`--dtype bf16`): those whose kernel has one, and attention
+BF16_OPS = tuple(n for n, k in OP_KERNELS.items() if f"{k}_bf16" in BF16_ARRAYS) + ("attention",)
 ADAMW_PARAMS_PER_IMAGE = 1 << 23    # `tune --op adamw`: 67M parameters at --images 8
 
 
@@ -140,10 +143,9 @@ def tune_op(name: str, threads: int | None = None, *, images: int = 8, repeats: 
     if dtype not in ("fp32", "bf16"):
         raise ValueError(f"dtype {dtype!r}: fp32 or bf16")
     bf16 = dtype == "bf16"
-    if bf16 and name not in {c[0] for c in bf16_op_cases(1)} | {"attention"}:
+    if bf16 and name not in BF16_OPS:
         raise ValueError(f"tune --op {name} --dtype bf16: {name} has no bf16 form "
-                         "(autocast leaves it fp32); the bf16 ones: "
-                         f"{', '.join(c[0] for c in bf16_op_cases(1) if c[0] in OP_KERNELS)}, attention")
+                         f"(autocast leaves it fp32); the bf16 ones: {', '.join(BF16_OPS)}")
     threads = threads or torch.get_num_threads()       # what autohc.ops uses, uninstalled
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
