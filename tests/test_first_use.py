@@ -114,3 +114,27 @@ def test_an_entry_that_kept_an_earlier_default_is_tuned_again(fresh):
     assert gm.tuned_params(512, 384, 1152, (384, 1), (1, 384), threads) == old
     registry.record(*args, old, 100.0, 100.0, trials=5)                                  # autohc tune
     assert gm.tuned_params(512, 384, 1152, (384, 1), (1, 384), threads) == old
+
+
+def test_bf16_problems_are_tuned_under_their_own_key(fresh):
+    """A bf16 product (bfloat16 operands) races the bf16 back-end's candidates on bf16
+    operands and is recorded under the bf16 key, never the fp32 one of the same shape."""
+    first_use.enable()
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(512, 384, generator=g).bfloat16()
+    w = torch.randn(1152, 384, generator=g).bfloat16()
+    threads = 2
+    key16 = GEMM.problem_key("NT", 384, 1152, 512, threads, "bf16")
+    first = matmul(x, w.t(), out=torch.empty(512, 1152), threads=threads)
+    assert _close(first, x, w.t())                       # bf16 products are exact in fp32
+    tunings = first_use.tunings()
+    assert key16 in tunings and GEMM.problem_key("NT", 384, 1152, 512, threads) not in tunings
+    first_use.wait()
+    second = matmul(x, w.t(), out=torch.empty(512, 1152), threads=threads)
+    t = first_use.tunings()[key16]
+    assert t.state == "done", t.note
+    assert t.chosen.dtype == "bf16" and t.default.dtype == "bf16"
+    assert _close(second, x, w.t())
+    hit = registry.lookup("gemm", "NT", 384, 1152, 512, threads, exact=True, dtype="bf16")
+    assert hit is not None and hit[1]["source"] == "first-use" and hit[0] == t.chosen
+    assert registry.lookup("gemm", "NT", 384, 1152, 512, threads, exact=True) is None

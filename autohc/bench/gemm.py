@@ -76,9 +76,9 @@ def bench_problem(p: GemmProblem, threads: int, *, repeats: int = 7, params: Gem
     bf16 = dtype == "bf16"
     a16, b16 = (a.to(torch.bfloat16), b.to(torch.bfloat16)) if bf16 else (a, b)
     if params is None:      # what autohc.matmul runs: the registry's config, else the default
-        if not bf16 and first_use.enabled() and \
-                registry.lookup("gemm", p.layout, p.K, p.N, p.M, threads) is None:
-            t = first_use.finish(p.layout, p.M, p.K, p.N, threads)     # as a first call would
+        if first_use.enabled() and \
+                registry.lookup("gemm", p.layout, p.K, p.N, p.M, threads, dtype=dtype) is None:
+            t = first_use.finish(p.layout, p.M, p.K, p.N, threads, dtype)   # as a first call would
             tuning_s = t.build_s + t.race_s if t is not None else 0.0
         run_params = tuned_params(M, K, N, a.stride(), b.stride(), threads, dtype)
         hit = registry.lookup("gemm", p.layout, p.K, p.N, p.M, threads, dtype=dtype)

@@ -1,7 +1,9 @@
 """Tuning on first use (as Triton's autotune and cudnn.benchmark do): the first time `matmul`
 (or the torch override) meets a GEMM problem (layout, K, N, M bucket, threads) that the registry
 has no entry for, it races a handful of candidates from this CPU's entry in the
-per-microarchitecture table (configs/<arch>.yaml) and records the winner.
+per-microarchitecture table (configs/<arch>.yaml) and records the winner. bf16 problems
+(bfloat16 operands, or compute="bf16") race the candidates of this CPU's bf16 back-end, on
+bf16 operands, and are recorded under their own (dtype) key.
 
     1st call of a problem: the default kernel runs; the candidates start compiling on a
                            background thread (gcc runs beside the caller's work).
@@ -25,6 +27,8 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+
+import torch
 
 from ..bench import timing
 from ..build import BuildError
@@ -61,6 +65,7 @@ class Tuning:
     """One problem's first-use tuning."""
     problem: GemmProblem
     threads: int
+    dtype: str
     default: GemmParams
     candidates: list[GemmParams]
     state: str = "building"             # building -> ready -> done | skipped | failed
@@ -130,16 +135,17 @@ def _build(t: Tuning) -> None:
     t.state = "ready"
 
 
-def on_miss(layout: str, M: int, K: int, N: int, threads: int) -> GemmParams | None:
+def on_miss(layout: str, M: int, K: int, N: int, threads: int,
+            dtype: str = "fp32") -> GemmParams | None:
     """The registry had nothing for this problem: None (run the default) while its tuning is
     under way, the winner from the call that finishes it on."""
     if getattr(_busy, "on", False):
         return None
-    key = GEMM.problem_key(layout, K, N, M, threads)
+    key = GEMM.problem_key(layout, K, N, M, threads, dtype)
     with _lock:
         t = _tunings.get(key)
         if t is None:
-            _tunings[key] = _start(layout, M, K, N, threads)
+            _tunings[key] = _start(layout, M, K, N, threads, dtype)
             return None
     _race_if_ready(t)
     return t.chosen
@@ -157,10 +163,10 @@ def _race_if_ready(t: Tuning) -> None:
         t.state, t.note = "failed", f"{t.note}{type(e).__name__}: {e}"
 
 
-def _start(layout: str, M: int, K: int, N: int, threads: int) -> Tuning:
-    default = default_kernel_params(threads)
+def _start(layout: str, M: int, K: int, N: int, threads: int, dtype: str) -> Tuning:
+    default = default_kernel_params(threads, dtype=dtype)
     problem = GemmProblem("first-use", layout, M, K, N)
-    t = Tuning(problem, threads, default, _candidates(default.isa, default))
+    t = Tuning(problem, threads, dtype, default, _candidates(default.isa, default))
     if problem.flops < MIN_FLOPS or min(M, N) <= default.skinny_m or not t.candidates:
         t.state, t.note = "skipped", "too small to gain from tuning" if t.candidates else "no candidates"
         return t
@@ -173,7 +179,7 @@ def _race(t: Tuning) -> None:
     t0 = time.perf_counter()
     _busy.on = True
     try:
-        verify = GemmVerifier(t.problem)
+        verify = GemmVerifier(t.problem, dtype=t.dtype)
         finalists = {"default": t.default}
         for i, p in enumerate(t.built):
             try:
@@ -182,8 +188,8 @@ def _race(t: Tuning) -> None:
                 t.note += f"candidate {p.symbol} failed verification: {e}; "
                 continue
             finalists[f"candidate {i}"] = p
-        a, b = t.problem.operands(seed=1)
-        out = a.new_empty(a.shape[0], b.shape[1])
+        a, b = t.problem.operands(seed=1, dtype=verify.dtype)
+        out = torch.empty(a.shape[0], b.shape[1])
         runs = {k: (lambda p=p: gemm_matmul.matmul(a, b, out=out, params=p)) for k, p in finalists.items()}
         times = timing.interleaved(runs, samples=SAMPLES, warmup=1, max_seconds=budget_s())
     finally:
@@ -227,13 +233,13 @@ def finish_pending() -> float:
     return time.perf_counter() - t0
 
 
-def finish(layout: str, M: int, K: int, N: int, threads: int) -> Tuning | None:
+def finish(layout: str, M: int, K: int, N: int, threads: int, dtype: str = "fp32") -> Tuning | None:
     """This problem's first-use tuning, started if needed and run to the end now (what
     `autohc bench gemm` times apart). None if first-use tuning is off."""
     if not _enabled:
         return None
-    key = GEMM.problem_key(layout, K, N, M, threads)
+    key = GEMM.problem_key(layout, K, N, M, threads, dtype)
     if key not in tunings():
-        on_miss(layout, M, K, N, threads)
+        on_miss(layout, M, K, N, threads, dtype)
     finish_pending()
     return tunings()[key]

@@ -31,7 +31,7 @@ except ImportError:  # pragma: no cover
     torch = None
 
 
-# Called with (layout, M, K, N, threads) of a Linear problem the registry has no entry for;
+# Called with (layout, M, K, N, threads, dtype) of a Linear problem the registry has no entry for;
 # answers the parameters to run, or None for the default. Set by tune/first_use.enable().
 _registry_miss_hook = None
 
@@ -56,8 +56,8 @@ def _chosen_params(m: int, k: int, n: int, sa, sb, threads: int, dtype: str = "f
         if hit is not None and not _outdated_default(hit, threads):
             return hit[0]
         hook = _registry_miss_hook
-        if hook is not None and dtype == "fp32":    # (bf16 problems: tuned by autohc tune)
-            chosen = hook(layout, M, K, N, threads)
+        if hook is not None:
+            chosen = hook(layout, M, K, N, threads, dtype)
             if chosen is not None:
                 return chosen
     return default_kernel_params(threads, dtype=dtype)
