@@ -132,3 +132,15 @@ def test_tune_bf16_forms_record_their_own_entries(reg, capsys):
     assert "unknown op ['adamw']" in capsys.readouterr().err
     with pytest.raises(ValueError, match="no bf16 form"):
         op_tuner.tune_op("softmax", 1, dtype="bf16")
+
+
+def test_bf16_attention_space_prunes_combinations_it_cannot_build(reg, monkeypatch):
+    """A grid point the bf16 attention cannot take (block_q not a multiple of qv*vl) is pruned
+    like the fp32 ones, never an error out of the study (it was, once a trial reached it)."""
+    from autohc.kernels.attention import default_attention
+    d = default_attention(cpu.best_isa())
+    space = {k: [getattr(d, k)] for k in op_tuner.grid(cpu.best_isa(), 1, space="attention")}
+    space["block_q"] = [d.qv * d.vl // 2, d.qv * d.vl]          # the first one is invalid
+    monkeypatch.setattr(op_tuner, "grid", lambda *a, **k: dict(space))
+    r = op_tuner.tune_op("attention", 1, images=1, repeats=1, timeout=60, dtype="bf16")
+    assert r["kernel"] == "attention_bf16" and r["params"]["block_q"] == d.qv * d.vl

@@ -167,9 +167,9 @@ def tune_op(name: str, threads: int | None = None, *, images: int = 8, repeats: 
         timings: dict[int, tuple[float, float]] = {}
 
         def objective(trial) -> float:
-            params = target.make({k: trial.suggest_categorical(k, v) for k, v in space.items()})
-            try:
-                params.validate()
+            knobs = {k: trial.suggest_categorical(k, v) for k, v in space.items()}
+            try:            # (the bf16 attention's make validates already)
+                params = target.make(knobs).validate()
             except ParamError as e:
                 raise optuna.TrialPruned(str(e)) from None
             with target.force(params):
