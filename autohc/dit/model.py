@@ -7,9 +7,11 @@ DiT-S/2 32,963,360 and DiT-XL/2 675,129,632 at 256px (32x32x4 latents, learn_sig
 
 The fused operators are passed in, not read from global state: `DiT.use_fused_ops(ops)` (or
 build_model(..., fused_ops=ops)) with an object that has `layernorm_modulate(x, scale, shift,
-eps)` and `gated_residual(x, y, gate)` (autohc.ops has both) makes each block's LayerNorm +
-adaLN modulate and gated residual one fused kernel each; without it, plain torch, the same
-results to float32 rounding.
+eps)` and `gated_residual(x, y, gate)` (autohc.ops.FUSED has both) makes each block's LayerNorm +
+adaLN modulate and gated residual one fused kernel each, and, where it also has
+`qkv_attention(qkv, heads)` (FUSED has), the attention reads q, k, v from the qkv output and
+its backward writes d qkv in one pass; without it, plain torch, the same results to float32
+rounding.
 """
 from __future__ import annotations
 
@@ -128,10 +130,14 @@ class Attention(nn.Module):
         self.heads = heads
         self.qkv = nn.Linear(dim, dim * 3, bias=True)
         self.proj = nn.Linear(dim, dim, bias=True)
+        self.fused = None           # the fused operators, set by DiT.use_fused_ops
 
     def forward(self, x):
         B, T, _ = x.shape
         qkv = self.qkv(x)
+        fused_attention = getattr(self.fused, "qkv_attention", None)
+        if fused_attention is not None:
+            return self.proj(fused_attention(qkv, self.heads))
         # the head dim from qkv's width: under tensor parallelism (bench/parallel.py) qkv holds
         # this rank's heads only and `heads` counts them
         hd = qkv.shape[-1] // (3 * self.heads)
@@ -211,7 +217,7 @@ class DiT(nn.Module):
         """Run the blocks' LayerNorm + modulate and gated residual on `ops` (e.g. autohc.ops),
         or on plain torch with None."""
         for m in self.modules():
-            if isinstance(m, (DiTBlock, FinalLayer)):
+            if isinstance(m, (DiTBlock, FinalLayer, Attention)):
                 m.fused = ops
         return self
 

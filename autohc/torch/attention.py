@@ -156,14 +156,15 @@ def forward_kernel(q, k, v, scale: float | None):
     return out, lse
 
 
-def backward_kernel(grad, q, k, v, out, lse, scale: float | None):
+def backward_kernel(grad, q, k, v, out, lse, scale: float | None, into=None):
     """(dq, dk, dv) from the forward's out and lse, laid out as ATen's backward: (B, L, H, D)
-    in memory."""
+    in memory; or written into `into`, three (B, H, L, D) views with a unit last stride
+    (attention_qkv: the views of one packed gradient)."""
     ffi, _, bwd = _functions(params_for(q.dtype))
     grad, q, k, v, out = (_inner(t) for t in (grad, q, k, v, out))
     B, H, L, D = q.shape
     S = k.shape[2]
-    dq, dk, dv = grad_like(q), grad_like(k), grad_like(v)
+    dq, dk, dv = into if into is not None else (grad_like(q), grad_like(k), grad_like(v))
     scale = _scale(scale, D)
     _check(bwd(_ptr(ffi, grad), _ptr(ffi, q), _ptr(ffi, k), _ptr(ffi, v), _ptr(ffi, out),
                _ptr(ffi, lse), _ptr(ffi, dq), _ptr(ffi, dk), _ptr(ffi, dv), B, H, L, S, D,
@@ -250,6 +251,89 @@ def _backward(ctx, gout, glse):
 
 
 _attention.register_autograd(_backward, setup_context=_setup)
+
+
+# ------------------------------- attention straight from the packed qkv GEMM output
+
+def qkv_views(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as (B, H, T, hd) views of a (B, T, 3 * H * hd) qkv (timm's reshape/permute/unbind,
+    without the autograd nodes whose backward stacks and copies the gradient twice)."""
+    B, T, C = qkv.shape
+    return qkv.reshape(B, T, 3, heads, C // (3 * heads)).permute(2, 0, 3, 1, 4).unbind(0)
+
+
+def _heads_view(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """(B, T, H * hd) -> a (B, H, T, hd) view."""
+    B, T, C = t.shape
+    return t.reshape(B, T, heads, C // heads).transpose(1, 2)
+
+
+def _check_qkv(qkv: torch.Tensor, heads: int) -> None:
+    if qkv.dim() != 3 or heads < 1 or qkv.shape[-1] % (3 * heads):
+        raise ValueError(f"attention_qkv: qkv must be (B, T, 3 * heads * head_dim); got "
+                         f"{tuple(qkv.shape)} with {heads} heads")
+
+
+@torch.library.custom_op("autohc::attention_qkv", mutates_args=())
+def _attention_qkv(qkv: torch.Tensor, heads: int,
+                   scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (B, T, H * hd), lse (B, H, T)) of the attention of qkv's q, k, v."""
+    B, T, C = qkv.shape
+    out, lse = _attention(*qkv_views(qkv, heads), scale)     # out: (B, T, H, hd) in memory
+    return out.transpose(1, 2).reshape(B, T, C // 3), lse
+
+
+@_attention_qkv.register_fake
+def _(qkv, heads, scale):
+    B, T, C = qkv.shape
+    q = qkv_views(qkv, heads)[0]
+    return qkv.new_empty(B, T, C // 3), lse_like(q).to(_lse_dtype(qkv.dtype))
+
+
+@torch.library.custom_op("autohc::attention_qkv_backward", mutates_args=())
+def _attention_qkv_backward(grad: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor,
+                            lse: torch.Tensor, heads: int, scale: float | None) -> torch.Tensor:
+    """d qkv (B, T, 3 * H * hd, contiguous): the kernel writes dq, dk, dv straight into their
+    thirds of it; elsewhere the three gradients of attention_backward, packed."""
+    B, T, C = qkv.shape
+    q, k, v = qkv_views(qkv, heads)
+    g, o = _heads_view(grad, heads), _heads_view(out, heads)
+    if _backward_served(g, q, k, v, o, lse):
+        try:
+            dqkv = qkv.new_empty(B, T, C)
+            backward_kernel(g, q, k, v, o, lse, scale, into=qkv_views(dqkv, heads))
+            return dqkv
+        except fallback.FAILURES as e:
+            fallback.report(e, "attention_backward")
+    dq, dk, dv = _attention_backward(g, q, k, v, o, lse, scale)
+    return torch.stack([t.transpose(1, 2) for t in (dq, dk, dv)], dim=2).reshape(B, T, C)
+
+
+@_attention_qkv_backward.register_fake
+def _(grad, qkv, out, lse, heads, scale):
+    return torch.empty_like(qkv, memory_format=torch.contiguous_format)
+
+
+def _qkv_setup(ctx, inputs, output):
+    qkv, heads, scale = inputs
+    ctx.save_for_backward(qkv, *output)
+    ctx.heads, ctx.scale = heads, scale
+
+
+def _qkv_backward(ctx, gout, glse):
+    qkv, out, lse = ctx.saved_tensors
+    return _attention_qkv_backward(gout.contiguous(), qkv, out, lse, ctx.heads, ctx.scale), None, None
+
+
+_attention_qkv.register_autograd(_qkv_backward, setup_context=_qkv_setup)
+
+
+def attention_qkv(qkv: torch.Tensor, heads: int, scale: float | None = None) -> torch.Tensor:
+    """F.scaled_dot_product_attention(q, k, v) of the q, k, v that timm's Attention takes out of
+    a (B, T, 3 * heads * head_dim) qkv, returned as (B, T, heads * head_dim) (what goes into
+    proj); its backward writes d qkv in one pass (no stack, no permute copy)."""
+    _check_qkv(qkv, heads)
+    return _attention_qkv(qkv, int(heads), None if scale is None else float(scale))[0]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:

@@ -474,9 +474,15 @@ class FusedOps(NamedTuple):
     """The fused operators a DiT's blocks take (dit.DiT.use_fused_ops)."""
     layernorm_modulate: Callable
     gated_residual: Callable
+    qkv_attention: Callable | None = None
 
 
-FUSED = FusedOps(layernorm_modulate, gated_residual)
+def _qkv_attention(qkv: torch.Tensor, heads: int) -> torch.Tensor:
+    from .attention import attention_qkv     # (attention.py is imported after this module)
+    return attention_qkv(qkv, heads)
+
+
+FUSED = FusedOps(layernorm_modulate, gated_residual, _qkv_attention)
 
 
 # ------------------------------------------------- aten CPU kernels for autohc.install()
