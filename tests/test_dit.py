@@ -411,3 +411,20 @@ def test_bench_step_stock_vs_autohc():
     tokens, hidden, depth = 2 * 4, 192, 12
     assert r["step_gflop"] * 1e9 >= 3 * 2 * 12 * hidden ** 2 * tokens * depth
     assert 0 < r["pct_peak"]["autohc"] < 100 and r["gflops"]["stock"] > 0
+
+
+def test_profile_classes_count_a_custom_ops_forward_in_its_autograd_node():
+    """With autograd, a custom op's forward kernel runs inside the node torch's
+    register_autograd makes ("GeneratedBackwardFor_<ns>_<op>_default"): its class is the op's,
+    not "other"; the backward node itself only holds the backward op."""
+    import autohc.torch.ops as ops
+    from torch.profiler import ProfilerActivity, profile
+    from autohc.bench.step import op_class
+    assert op_class("GeneratedBackwardFor_autohc_gated_residual_default") == "elementwise"
+    assert op_class("GeneratedBackwardFor_autohc_attention_qkv_default") == "attention"
+    assert op_class("GeneratedBackwardFor_autohc_gated_residual_defaultBackward") is None
+    x, y = torch.randn(2, 64, 96, requires_grad=True), torch.randn(2, 64, 96)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        ops.gated_residual(x, y, torch.randn(2, 96)).sum().backward()
+    names = {e.key for e in prof.key_averages()}
+    assert "GeneratedBackwardFor_autohc_gated_residual_default" in names   # torch's naming holds

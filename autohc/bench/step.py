@@ -115,11 +115,17 @@ FREE_OPS = {"aten::view", "aten::reshape", "aten::permute", "aten::transpose", "
             "aten::resolve_conj", "aten::resolve_neg", "aten::result_type", "aten::linear",
             "aten::matmul"}
 PROFILE_CLASSES = ("gemm", "attention", "elementwise", "optimizer", "copies", "other")
+AUTOGRAD_FN = "GeneratedBackwardFor_"
 
 
 def op_class(name: str) -> str | None:
     """The class of a profiler event, or None for events that only hold others (autograd
     nodes, compiled regions: their self time counts as "other" through the remainder)."""
+    if name.startswith(AUTOGRAD_FN) and name.endswith("_default"):
+        # a custom op called with autograd runs its forward inside this node (torch's
+        # register_autograd), so the node's self time is the op's own kernel
+        ns, _, op = name[len(AUTOGRAD_FN):-len("_default")].partition("_")
+        return op_class(f"{ns}::{op}")
     if name in GEMM_OPS:
         return "gemm"
     if "scaled_dot_product" in name or name.startswith("autohc::attention"):
