@@ -298,15 +298,17 @@ def _attention_qkv_backward(grad: torch.Tensor, qkv: torch.Tensor, out: torch.Te
     B, T, C = qkv.shape
     q, k, v = qkv_views(qkv, heads)
     g, o = _heads_view(grad, heads), _heads_view(out, heads)
-    if _backward_served(g, q, k, v, o, lse):
-        try:
-            dqkv = qkv.new_empty(B, T, C)
-            backward_kernel(g, q, k, v, o, lse, scale, into=qkv_views(dqkv, heads))
-            return dqkv
-        except fallback.FAILURES as e:
-            fallback.report(e, "attention_backward")
-    dq, dk, dv = _attention_backward(g, q, k, v, o, lse, scale)
-    return torch.stack([t.transpose(1, 2) for t in (dq, dk, dv)], dim=2).reshape(B, T, C)
+
+    def kernel():
+        dqkv = qkv.new_empty(B, T, C)
+        backward_kernel(g, q, k, v, o, lse, scale, into=qkv_views(dqkv, heads))
+        return dqkv
+
+    def packed_math():
+        dq, dk, dv = _attention_backward(g, q, k, v, o, lse, scale)
+        return torch.stack([t.transpose(1, 2) for t in (dq, dk, dv)], dim=2).reshape(B, T, C)
+    return fallback.kernel_or(kernel, packed_math, "attention_backward",
+                              served=_backward_served(g, q, k, v, o, lse))
 
 
 @_attention_qkv_backward.register_fake

@@ -65,8 +65,7 @@ class Tuning:
     """One problem's first-use tuning."""
     problem: GemmProblem
     threads: int
-    dtype: str
-    default: GemmParams
+    default: GemmParams                 # (its dtype is the problem's)
     candidates: list[GemmParams]
     state: str = "building"             # building -> ready -> done | skipped | failed
     thread: threading.Thread | None = None
@@ -166,7 +165,7 @@ def _race_if_ready(t: Tuning) -> None:
 def _start(layout: str, M: int, K: int, N: int, threads: int, dtype: str) -> Tuning:
     default = default_kernel_params(threads, dtype=dtype)
     problem = GemmProblem("first-use", layout, M, K, N)
-    t = Tuning(problem, threads, dtype, default, _candidates(default.isa, default))
+    t = Tuning(problem, threads, default, _candidates(default.isa, default))
     if problem.flops < MIN_FLOPS or min(M, N) <= default.skinny_m or not t.candidates:
         t.state, t.note = "skipped", "too small to gain from tuning" if t.candidates else "no candidates"
         return t
@@ -179,7 +178,7 @@ def _race(t: Tuning) -> None:
     t0 = time.perf_counter()
     _busy.on = True
     try:
-        verify = GemmVerifier(t.problem, dtype=t.dtype)
+        verify = GemmVerifier(t.problem, dtype=t.default.dtype)
         finalists = {"default": t.default}
         for i, p in enumerate(t.built):
             try:
