@@ -55,7 +55,9 @@ def test_every_entry_gives_valid_defaults_and_searchable_candidates():
     for arch in archs.table():
         for isa in arch.gemm:
             d = default_params(isa, 2, arch.name)
-            assert (d.jc_ways, d.ic_ways, d.jr_ways) == (1, 2, 1)     # one node: threads split M
+            own = archs.gemm_own_ways_up_to(isa, arch) >= 2
+            # one node: the threads split M sharing B, or each is its own way where the entry says
+            assert (d.jc_ways, d.ic_ways, d.jr_ways) == ((2, 1, 1) if own else (1, 2, 1))
             entries = isa_entries(space, isa)
             for p in [d] + [dataclasses.replace(d, **c).validate()
                             for c in archs.gemm_candidates(isa, arch)]:
@@ -115,6 +117,27 @@ def test_default_geometry_splits_n_by_node_and_m_within_one(threads, clusters, g
     assert thread_geometry(threads, clusters) == geometry
     d = default_params("avx2", threads, "haswell", clusters=clusters)
     assert (d.jc_ways, d.ic_ways, d.jr_ways) == geometry and d.threads == threads
+
+
+@pytest.mark.parametrize("threads,clusters,up_to,geometry", [
+    (1, 1, 2, (1, 1, 1)), (2, 1, 2, (2, 1, 1)), (4, 1, 2, (1, 4, 1)), (4, 2, 2, (4, 1, 1)),
+    (8, 2, 2, (2, 4, 1)), (4, 1, 4, (4, 1, 1)), (2, 1, 0, (1, 2, 1))])
+def test_own_ways_make_every_thread_of_a_small_cluster_its_own_way(threads, clusters, up_to, geometry):
+    """An entry's own_ways_up_to: clusters of at most that many threads give every thread its
+    own JC way; larger clusters share B panels as before."""
+    from autohc.kernels.gemm.params import thread_geometry
+    assert thread_geometry(threads, clusters, up_to) == geometry
+
+
+def test_own_ways_up_to_comes_from_the_entry_and_is_checked(monkeypatch):
+    zen5 = archs.by_name("zen5")
+    assert archs.gemm_own_ways_up_to("avx512", zen5) == 2
+    assert archs.gemm_own_ways_up_to("avx512bf16", zen5) == 0      # not given: never
+    d = default_params("avx512", 2, "zen5")
+    assert (d.jc_ways, d.ic_ways, d.jr_ways) == (2, 1, 1)
+    bad = dataclasses.replace(zen5, gemm={**zen5.gemm, "avx512": {**zen5.gemm["avx512"], "own_ways_up_to": "2"}})
+    with pytest.raises(ValueError, match="own_ways_up_to"):
+        archs.gemm_own_ways_up_to("avx512", bad)
 
 
 def test_default_kernel_params_count_the_nodes_the_team_spans(monkeypatch):

@@ -103,7 +103,7 @@ def test_an_entry_that_kept_an_earlier_default_is_tuned_again(fresh):
     from autohc.kernels.gemm.kernel import default_kernel_params
     threads = 2
     today = default_kernel_params(threads)
-    old = dataclasses.replace(today, jc_ways=2, ic_ways=1, jr_ways=1)
+    old = dataclasses.replace(today, depth=3 if today.depth != 3 else 2)
     assert old != today
     args = ("gemm", "NT", 384, 1152, 512, threads)
     registry.record(*args, old, 100.0, 100.0, source="first-use", default_gflops=100.0, default_kept=True)
@@ -138,3 +138,16 @@ def test_bf16_problems_are_tuned_under_their_own_key(fresh):
     hit = registry.lookup("gemm", "NT", 384, 1152, 512, threads, exact=True, dtype="bf16")
     assert hit is not None and hit[1]["source"] == "first-use" and hit[0] == t.chosen
     assert registry.lookup("gemm", "NT", 384, 1152, 512, threads, exact=True) is None
+
+
+@pytest.mark.parametrize("own", [False, True])
+def test_first_use_races_the_other_thread_geometry(monkeypatch, own):
+    """On several threads the race holds the geometry the default does not have: every thread
+    its own JC way where the default shares B panels, the shared split where it does not."""
+    from autohc.kernels import archs
+    from autohc.kernels.gemm.params import default_params
+    monkeypatch.setattr(archs, "gemm_own_ways_up_to", lambda isa, arch=None: 2 if own else 0)
+    default = default_params("avx2", 2, "haswell")
+    assert (default.jc_ways, default.ic_ways) == ((2, 1) if own else (1, 2))
+    geos = {(p.jc_ways, p.ic_ways, p.jr_ways) for p in first_use._candidates("avx2", default)}
+    assert ((1, 2, 1) if own else (2, 1, 1)) in geos

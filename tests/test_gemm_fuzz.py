@@ -5,6 +5,7 @@ of two (0 and 1 included), strided / offset / broadcast views, torch or numpy, a
 (beta = 0 over a NaN-filled C: C must not be read), and the shape of C (row-major, column-major,
 row-padded, no unit stride).
 """
+import dataclasses
 import random
 
 import pytest
@@ -103,16 +104,16 @@ def test_fuzz_default_config_500(isa):
     run_fuzz(default_params(isa, 1), 500, seed=20261122)
 
 
-@pytest.mark.parametrize("clusters", [1, 2])
+@pytest.mark.parametrize("ways", [1, 2])
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
-def test_fuzz_two_threads(isa, clusters):
-    """The 2-thread defaults: one cluster (threads split M, sharing B) and two (CFTP: the
-    clusters split N, or M where N < M, each thread packing all of B)."""
+def test_fuzz_two_threads(isa, ways):
+    """The 2-thread default blocks in both geometries: one JC way (the threads split M, sharing
+    B) and two (CFTP's clusters, or own_ways_up_to: the ways split N, or M where N < M, each
+    thread packing all of B)."""
     if isa not in RUNNABLE:
         pytest.skip(f"this CPU cannot run {isa}")
-    p = default_params(isa, 2, clusters=clusters)
-    assert p.jc_ways == clusters
-    run_fuzz(p, 200, seed=7 + clusters)
+    p = dataclasses.replace(default_params(isa, 2), jc_ways=ways, ic_ways=2 // ways, jr_ways=1).validate()
+    run_fuzz(p, 200, seed=7 + ways)
 
 
 # Thread and buffering geometries with tiny tiles, so that every problem crosses many

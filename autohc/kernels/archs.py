@@ -22,7 +22,7 @@ from .isa import BF16_ISAS
 
 MATCH_KEYS = ("vendor", "family", "models", "flags", "without")
 ENTRY_KEYS = {"name", "title", "match", "gemm", "eltwise", "attention"}
-GEMM_KEYS = {"default", "candidates", "source", "derive_blocks"}
+GEMM_KEYS = {"default", "candidates", "source", "derive_blocks", "own_ways_up_to"}
 
 
 @dataclass(frozen=True)
@@ -138,6 +138,16 @@ def gemm_default(isa: str, arch: Arch | None = None, info: cpu.CpuInfo | None = 
     if entry.get("derive_blocks") and isa not in BF16_ISAS:   # (the L1 rule counts floats)
         values = derived_blocks(values, info)
     return values
+
+
+def gemm_own_ways_up_to(isa: str, arch: Arch | None = None) -> int:
+    """Clusters of at most this many threads run every thread as its own JC way (no packed
+    panel shared, no waits between threads; params.thread_geometry); 0: never."""
+    _, entry = _gemm_entry(isa, arch or select())
+    n = entry.get("own_ways_up_to", 0)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"gemm.{isa}.own_ways_up_to={n!r}: a thread count (0: never)")
+    return n
 
 
 def gemm_candidates(isa: str, arch: Arch | None = None) -> list[dict]:

@@ -35,8 +35,8 @@ from ..build import BuildError
 from ..kernels import archs
 from ..kernels.gemm import matmul as gemm_matmul
 from ..kernels.gemm.family import GEMM
-from ..kernels.gemm.kernel import KernelError, default_kernel_params, get_kernel
-from ..kernels.gemm.params import GemmParams, ParamError
+from ..kernels.gemm.kernel import KernelError, default_kernel_params, get_kernel, team_nodes
+from ..kernels.gemm.params import GemmParams, ParamError, thread_geometry
 from ..kernels.gemm.problem import GemmProblem
 from ..runtime.settings import non_negative_int
 from . import pipeline, registry
@@ -108,8 +108,12 @@ def forget() -> None:
 
 def _candidates(isa: str, default: GemmParams) -> list[GemmParams]:
     overrides = archs.gemm_candidates(isa)
-    if default.threads > 1:             # every thread its own N slice (CFTP's split per thread)
-        overrides.append(dict(jc_ways=default.threads, ic_ways=1, jr_ways=1))
+    if default.threads > 1:             # the other thread geometry than the default's: every
+        # thread its own JC way (CFTP's split per thread), or a cluster's threads sharing B
+        jc, ic, jr = thread_geometry(default.threads, team_nodes(default.threads))
+        own = (default.jc_ways, default.ic_ways, default.jr_ways) == (default.threads, 1, 1)
+        overrides.append(dict(jc_ways=jc, ic_ways=ic, jr_ways=jr) if own
+                         else dict(jc_ways=default.threads, ic_ways=1, jr_ways=1))
     out = []
     for c in overrides:
         try:

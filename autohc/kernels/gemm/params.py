@@ -140,7 +140,7 @@ class GemmParams:
         return "autohc_g" + self.key[:12]
 
 
-def thread_geometry(threads: int, clusters: int = 1) -> tuple[int, int, int]:
+def thread_geometry(threads: int, clusters: int = 1, own_ways_up_to: int = 0) -> tuple[int, int, int]:
     """(jc_ways, ic_ways, jr_ways) of the default kernel on `threads` threads in `clusters` thread
     clusters (NUMA nodes): the clusters split N (CFTP: no packed data shared across nodes),
     and a cluster's threads share its packed B panels, splitting M first (DiT's M, the
@@ -150,10 +150,15 @@ def thread_geometry(threads: int, clusters: int = 1) -> tuple[int, int, int]:
     GEMMs (M 2048, K 384-1536, N 384-1536): 1 x 2 x 1 at 1.00-1.27x 2 x 1 x 1, DiT-XL/2
     GEMMs within 4 % either way. (In the a_outer loop order a way's threads share its A
     blocks and split its N slice instead, each packing its own B panels; with own_rows they
-    take their own rows where threads * N <= M.)"""
+    take their own rows where threads * N <= M.)
+    A cluster of at most `own_ways_up_to` threads (the arch entry's, configs/<arch>.yaml)
+    makes every thread its own JC way instead: its own N slice, or its own rows where N < M
+    (gemm.c.j2: rows_split), nothing shared and no wait between the threads."""
     if clusters < 1 or threads % clusters:
         clusters = 1
     tpc = threads // clusters
+    if 1 < tpc <= own_ways_up_to:
+        return threads, 1, 1
     ic = max(d for d in range(1, tpc + 1) if tpc % d == 0 and (d * d <= 4 * tpc or d == 1))
     return clusters, ic, tpc // ic
 
@@ -162,8 +167,9 @@ def default_params(isa: str, threads: int = 1, arch: str | None = None, clusters
                    dtype: str = "fp32") -> GemmParams:
     """A configuration that works (and is fast) before any tuning: the per-microarchitecture
     table's entry for `isa` (configs/<arch>.yaml; `arch` names one, else this CPU's), on
-    `threads` threads in `clusters` NUMA clusters (thread_geometry). dtype "bf16" on an fp32
-    back-end: its fp32 default, without the skinny path (bf16 widened while packing)."""
+    `threads` threads in `clusters` NUMA clusters (thread_geometry, with the entry's
+    own_ways_up_to). dtype "bf16" on an fp32 back-end: its fp32 default, without the skinny
+    path (bf16 widened while packing)."""
     if isa not in GEMM_ISAS:
         raise ParamError(f"unknown isa {isa!r}; one of {tuple(GEMM_ISAS)}")
     if dtype not in CHOICES["dtype"]:
@@ -172,8 +178,9 @@ def default_params(isa: str, threads: int = 1, arch: str | None = None, clusters
         dtype = "bf16"              # (a bf16 back-end computes nothing else)
     if type(threads) is not int or not 1 <= threads <= MAX_THREADS:
         raise ParamError(f"threads={threads!r}: must be an int in [1, {MAX_THREADS}]")
-    base = archs.gemm_default(isa, archs.by_name(arch) if arch else None)
-    jc, ic, jr = thread_geometry(threads, clusters)
+    entry = archs.by_name(arch) if arch else None
+    base = archs.gemm_default(isa, entry)
+    jc, ic, jr = thread_geometry(threads, clusters, archs.gemm_own_ways_up_to(isa, entry))
     if dtype == "bf16":             # (the widened fallback has no skinny path)
         base = {**base, "dtype": "bf16", **({} if isa in BF16_ISAS else {"skinny_m": 0})}
     return GemmParams(isa=isa, jc_ways=jc, ic_ways=ic, jr_ways=jr, **base).validate()
