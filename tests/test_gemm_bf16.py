@@ -363,14 +363,15 @@ def test_bf16_out_is_written_by_the_kernel_and_equals_fp32_rounded(isa):
             p = bf16_params(isa, threads, kc=64, a_outer=a_outer)
             assert get_kernel(p).writes_bf16
             for m, k, n in [(37, 64, 50), (61, 200, 97), (5, 130, 33), (130, 1, 17), (16, 64, 48), (9, 0, 7)]:
-                for layout in ("NT", "NN", "TN"):
+                for li, layout in enumerate(("NT", "NN", "TN")):
                     a, b = operands(layout, m, k, n, rng)
                     a, b = a.to(torch.bfloat16), b if rng.random() < 0.5 else b.to(torch.bfloat16)
                     wide = torch.full((m, n + 9), 7.0, dtype=torch.bfloat16)
                     out = wide[:, 3:3 + n]
-                    autohc.matmul(a, b, out=out, alpha=-0.75, params=p, compute="bf16")
-                    f32 = autohc.matmul(a, b, out=torch.empty(m, n), alpha=-0.75, params=p, compute="bf16")
-                    what = f"{isa} t{threads} a_outer={a_outer} {layout} {m}x{k}x{n}"
+                    alpha = (-0.75, 1.0)[li % 2]        # (alpha 1: the store without a multiply)
+                    autohc.matmul(a, b, out=out, alpha=alpha, params=p, compute="bf16")
+                    f32 = autohc.matmul(a, b, out=torch.empty(m, n), alpha=alpha, params=p, compute="bf16")
+                    what = f"{isa} t{threads} a_outer={a_outer} {layout} {m}x{k}x{n} alpha {alpha}"
                     assert torch.equal(out, f32.to(torch.bfloat16)), what
                     assert (wide[:, :3] == 7).all() and (wide[:, 3 + n:] == 7).all(), what + ": wrote outside C"
                     if threads == 2 or a_outer:
