@@ -129,7 +129,7 @@ def test_own_ways_make_every_thread_of_a_small_cluster_its_own_way(threads, clus
     assert thread_geometry(threads, clusters, up_to) == geometry
 
 
-def test_own_ways_up_to_comes_from_the_entry_and_is_checked(monkeypatch):
+def test_own_ways_up_to_comes_from_the_entry_and_is_checked():
     zen5 = archs.by_name("zen5")
     assert archs.gemm_own_ways_up_to("avx512", zen5) == 2
     assert archs.gemm_own_ways_up_to("avx512bf16", zen5) == 0      # not given: never
