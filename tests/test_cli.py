@@ -43,6 +43,10 @@ def test_info_json():
     assert info["fma_peak_gflops_per_core"] > 0
     assert "AUTOHC_POOL_MB" in info["result_pool"]
     assert info["kernel_threads"].startswith("torch's OpenMP threads")     # AUTOHC_TEAM's default
+    from autohc.kernels.gemm.kernel import default_kernel_params
+    p = default_kernel_params(info["cores"])
+    assert info["gemm_threads"] == "1 thread" if info["cores"] == 1 else \
+        info["gemm_threads"].startswith(f"{info['cores']} threads as {p.jc_ways}x{p.ic_ways}x{p.jr_ways}")
 
 
 def test_info_says_a_bad_setting_in_one_line():

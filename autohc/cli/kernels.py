@@ -22,6 +22,7 @@ def cmd_info(args) -> int:
         "family_model": f"{info.family}/{info.model_number}", "fingerprint": info.fingerprint, "isa": isa,
         "microarch": f"{table['arch']} (configs/{table['arch']}.yaml: {table['title']})",
         "gemm_default": table["gemm_default"], "gemm_default_source": table["source"],
+        "gemm_threads": _geometry_line(info.cores),
         "runnable_isas": cpu.runnable_isas(info), "cores": info.cores, "cpus": list(info.cpus),
         "caches": [f"L{c.level} {c.kind} {c.size_bytes // 1024} KiB" for c in info.caches],
         "numa_nodes": [list(n) for n in info.numa_nodes],
@@ -49,6 +50,18 @@ def cmd_info(args) -> int:
             else:
                 print(f"{k:>26}: {v}")
     return 0
+
+
+def _geometry_line(threads: int) -> str:
+    """How the default GEMM splits `threads` team threads (jc x ic x jr ways)."""
+    from ..kernels.gemm.kernel import default_kernel_params
+    p = default_kernel_params(threads)
+    if threads == 1:
+        return "1 thread"
+    how = ("each thread its own JC way: its own N slice, or rows where N < M (own_ways_up_to)"
+           if (p.jc_ways, p.ic_ways, p.jr_ways) == (threads, 1, 1)
+           else "JC ways split N by NUMA node; a node's threads share B panels and split M (IC) and B micro-panels (JR)")
+    return f"{threads} threads as {p.jc_ways}x{p.ic_ways}x{p.jr_ways} (JC x IC x JR ways): {how}"
 
 
 def _team_line() -> str:
@@ -87,10 +100,12 @@ def _first_use_entries(registry) -> list[str]:
         if e.get("source") != "first-use":
             continue
         p = e.get("params", {})
-        kept = "default kept" if e.get("gflops") == e.get("default_gflops") else "candidate won"
+        kept = e.get("default_kept", e.get("gflops") == e.get("default_gflops"))
+        ways = f"{p.get('jc_ways', 1)}x{p.get('ic_ways', 1)}x{p.get('jr_ways', 1)}"
         out.append(f"{key}: {p.get('mr')}x{p.get('nr')} kc {p.get('kc')} mc {p.get('mc')} "
-                   f"nc {p.get('nc')}, {e.get('gflops')} GFLOP/s ({kept}; default "
-                   f"{e.get('default_gflops')})")
+                   f"nc {p.get('nc')}{' a_outer' if p.get('a_outer') else ''} ways {ways}, "
+                   f"{e.get('gflops')} GFLOP/s ({'default kept' if kept else 'candidate won'}; "
+                   f"default {e.get('default_gflops')})")
     return out
 
 
