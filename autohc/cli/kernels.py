@@ -55,12 +55,12 @@ def cmd_info(args) -> int:
 def _geometry_line(threads: int) -> str:
     """How the default GEMM splits `threads` team threads (jc x ic x jr ways)."""
     from ..kernels.gemm.kernel import default_kernel_params
-    p = default_kernel_params(threads)
     if threads == 1:
         return "1 thread"
+    p = default_kernel_params(threads)
     how = ("each thread its own JC way: its own N slice, or rows where N < M (own_ways_up_to)"
-           if (p.jc_ways, p.ic_ways, p.jr_ways) == (threads, 1, 1)
-           else "JC ways split N by NUMA node; a node's threads share B panels and split M (IC) and B micro-panels (JR)")
+           if p.own_ways else
+           "JC ways split N by NUMA node; a node's threads share B panels and split M (IC) and B micro-panels (JR)")
     return f"{threads} threads as {p.jc_ways}x{p.ic_ways}x{p.jr_ways} (JC x IC x JR ways): {how}"
 
 

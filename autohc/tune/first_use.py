@@ -111,8 +111,7 @@ def _candidates(isa: str, default: GemmParams) -> list[GemmParams]:
     if default.threads > 1:             # the other thread geometry than the default's: every
         # thread its own JC way (CFTP's split per thread), or a cluster's threads sharing B
         jc, ic, jr = thread_geometry(default.threads, team_nodes(default.threads))
-        own = (default.jc_ways, default.ic_ways, default.jr_ways) == (default.threads, 1, 1)
-        overrides.append(dict(jc_ways=jc, ic_ways=ic, jr_ways=jr) if own
+        overrides.append(dict(jc_ways=jc, ic_ways=ic, jr_ways=jr) if default.own_ways
                          else dict(jc_ways=default.threads, ic_ways=1, jr_ways=1))
     out = []
     for c in overrides:

@@ -66,6 +66,11 @@ class GemmParams:
     def threads(self) -> int:
         return self.jc_ways * self.ic_ways * self.jr_ways
 
+    @property
+    def own_ways(self) -> bool:
+        """Every team thread is its own JC way (thread_geometry's own_ways_up_to split)."""
+        return (self.jc_ways, self.ic_ways, self.jr_ways) == (self.threads, 1, 1)
+
     def validate(self) -> "GemmParams":
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
