@@ -129,6 +129,26 @@ def test_own_ways_make_every_thread_of_a_small_cluster_its_own_way(threads, clus
     assert thread_geometry(threads, clusters, up_to) == geometry
 
 
+@pytest.mark.parametrize("threads,clusters,up_to,depth", [
+    (1, 1, 0, 1), (2, 1, 2, 1), (4, 2, 2, 1), (2, 1, 0, 2), (8, 2, 2, 2), (4, 1, 2, 2)])
+def test_default_panel_ring_is_single_where_a_jc_way_has_one_thread(threads, clusters, up_to, depth,
+                                                                     monkeypatch):
+    """The B panel ring: two buffers where a JC way's threads share its panels (one packs
+    ahead while the others compute), one where a way is a single thread (nothing to overlap);
+    an entry that names a depth keeps it."""
+    from autohc.kernels.gemm.params import panel_ring_depth, thread_geometry
+    geo = thread_geometry(threads, clusters, up_to)
+    assert panel_ring_depth(*geo) == depth
+    monkeypatch.setattr(archs, "gemm_own_ways_up_to", lambda isa, arch=None: up_to)
+    d = default_params("avx2", threads, "haswell", clusters=clusters)
+    assert (d.jc_ways, d.ic_ways, d.jr_ways) == geo and d.depth == depth
+    named = dataclasses.replace(archs.by_name("haswell"), gemm={
+        "avx2": {**archs.by_name("haswell").gemm["avx2"],
+                 "default": {**archs.by_name("haswell").gemm["avx2"]["default"], "depth": 3}}})
+    monkeypatch.setattr(archs, "by_name", lambda name: named)
+    assert default_params("avx2", threads, "haswell", clusters=clusters).depth == 3
+
+
 def test_own_ways_up_to_comes_from_the_entry_and_is_checked():
     zen5 = archs.by_name("zen5")
     assert archs.gemm_own_ways_up_to("avx512", zen5) == 2

@@ -149,5 +149,6 @@ def test_first_use_races_the_other_thread_geometry(monkeypatch, own):
     monkeypatch.setattr(archs, "gemm_own_ways_up_to", lambda isa, arch=None: 2 if own else 0)
     default = default_params("avx2", 2, "haswell")
     assert (default.jc_ways, default.ic_ways) == ((2, 1) if own else (1, 2))
-    geos = {(p.jc_ways, p.ic_ways, p.jr_ways) for p in first_use._candidates("avx2", default)}
-    assert ((1, 2, 1) if own else (2, 1, 1)) in geos
+    geos = {(p.jc_ways, p.ic_ways, p.jr_ways, p.depth) for p in first_use._candidates("avx2", default)}
+    # with the panel ring of that geometry: double where the ways share panels, else single
+    assert ((1, 2, 1, 2) if own else (2, 1, 1, 1)) in geos

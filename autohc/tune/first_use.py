@@ -36,7 +36,7 @@ from ..kernels import archs
 from ..kernels.gemm import matmul as gemm_matmul
 from ..kernels.gemm.family import GEMM
 from ..kernels.gemm.kernel import KernelError, default_kernel_params, get_kernel, team_nodes
-from ..kernels.gemm.params import GemmParams, ParamError, thread_geometry
+from ..kernels.gemm.params import GemmParams, ParamError, panel_ring_depth, thread_geometry
 from ..kernels.gemm.problem import GemmProblem
 from ..runtime.settings import non_negative_int
 from . import pipeline, registry
@@ -111,8 +111,9 @@ def _candidates(isa: str, default: GemmParams) -> list[GemmParams]:
     if default.threads > 1:             # the other thread geometry than the default's: every
         # thread its own JC way (CFTP's split per thread), or a cluster's threads sharing B
         jc, ic, jr = thread_geometry(default.threads, team_nodes(default.threads))
-        overrides.append(dict(jc_ways=jc, ic_ways=ic, jr_ways=jr) if default.own_ways
-                         else dict(jc_ways=default.threads, ic_ways=1, jr_ways=1))
+        if not default.own_ways:
+            jc, ic, jr = default.threads, 1, 1
+        overrides.append(dict(jc_ways=jc, ic_ways=ic, jr_ways=jr, depth=panel_ring_depth(jc, ic, jr)))
     out = []
     for c in overrides:
         try:
