@@ -110,6 +110,22 @@ def test_corrupt_record_is_ignored_and_rebuilt(tmp_path, corruption):
     assert json.loads(rec.read_text())["key"] == record["key"]
 
 
+def test_a_cache_path_that_is_a_file_is_a_one_line_error(tmp_path):
+    """AUTOHC_CACHE_DIR naming a file: the library says so in one line, the CLI exits with it,
+    and the file is left as it was."""
+    f = tmp_path / "not-a-dir"
+    f.write_text("keep me")
+    proc = run_kernel(f)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "CacheDirError" in last and "AUTOHC_CACHE_DIR" in last and str(f) in last
+    cli = subprocess.run([sys.executable, "-m", "autohc.cli", "cache", "list"], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "AUTOHC_CACHE_DIR": str(f)})
+    assert cli.returncode != 0 and "Traceback" not in cli.stderr
+    assert "is a file, not a directory" in cli.stderr and len(cli.stderr.strip().splitlines()) == 1
+    assert f.read_text() == "keep me"
+
+
 def test_missing_compiler_one_line_error(tmp_path):
     proc = run_kernel(tmp_path, CC="autohc-no-such-compiler")
     assert proc.returncode != 0

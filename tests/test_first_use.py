@@ -116,6 +116,45 @@ def test_an_entry_that_kept_an_earlier_default_is_tuned_again(fresh):
     assert gm.tuned_params(512, 384, 1152, (384, 1), (1, 384), threads) == old
 
 
+def test_bf16_races_time_a_bf16_c_and_verify_it(fresh, monkeypatch):
+    """A bf16 problem's candidates are timed writing a bf16 C (install()'s output under
+    autocast, whose last K panel is its own code path) and verified in one too: a candidate
+    wrong only there never wins."""
+    import dataclasses
+    from autohc.kernels.gemm import matmul as gm
+    from autohc.kernels.gemm.kernel import default_kernel_params
+    from autohc.tune.verify import GemmVerifier, WrongResult
+    from autohc.kernels.gemm.problem import GemmProblem
+    seen = []
+    real = gm.matmul
+
+    def spy(a, b, *args, out=None, params=None, **kw):
+        seen.append(None if out is None else out.dtype)
+        return real(a, b, *args, out=out, params=params, **kw)
+    monkeypatch.setattr(gm, "matmul", spy)                  # the race's calls
+    monkeypatch.setattr("autohc.tune.verify.matmul", spy)  # the verifier's
+    first_use.enable()
+    threads = 2
+    problem = GemmProblem("t", "NT", 512, 384, 1152)
+    t = first_use.finish("NT", 512, 384, 1152, threads, "bf16")
+    assert t is not None and t.state == "done", t and t.note
+    # each candidate verified into a bf16 C, then every finalist (and the default) raced in one
+    assert seen.count(torch.bfloat16) >= len(t.built) + 2 * (len(t.built) + 1)
+
+    default = default_kernel_params(threads, dtype="bf16")
+    verify = GemmVerifier(problem, dtype="bf16")
+    verify(default)
+
+    def wrong_in_bf16(a, b, *args, out=None, params=None, **kw):
+        r = real(a, b, *args, out=out, params=params, **kw)
+        if r.dtype == torch.bfloat16:
+            r[0, 0] += 1.0
+        return r
+    monkeypatch.setattr("autohc.tune.verify.matmul", wrong_in_bf16)
+    with pytest.raises(WrongResult, match="bf16 C"):
+        verify(dataclasses.replace(default, kc=default.kc))
+
+
 def test_bf16_problems_are_tuned_under_their_own_key(fresh):
     """A bf16 product (bfloat16 operands) races the bf16 back-end's candidates on bf16
     operands and is recorded under the bf16 key, never the fp32 one of the same shape."""

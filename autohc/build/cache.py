@@ -41,12 +41,23 @@ class CompilerNotFoundError(BuildError):
     """No C compiler: autohc cannot build kernels on this machine."""
 
 
+class CacheDirError(NotADirectoryError):
+    """The kernel cache's path names something other than a directory."""
+
+
 def cache_dir() -> Path:
-    """$AUTOHC_CACHE_DIR, else $XDG_CACHE_HOME/autohc, else ~/.cache/autohc."""
+    """$AUTOHC_CACHE_DIR, else $XDG_CACHE_HOME/autohc, else ~/.cache/autohc (created on first
+    write). A path that names a file is a one-line error, not a failure deep in a build."""
     if os.environ.get("AUTOHC_CACHE_DIR"):
-        return Path(os.environ["AUTOHC_CACHE_DIR"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "autohc"
+        path, named = Path(os.environ["AUTOHC_CACHE_DIR"]).expanduser(), "AUTOHC_CACHE_DIR"
+    else:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        path = (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "autohc"
+        named = "XDG_CACHE_HOME" if xdg else "the home directory's .cache"
+    if path.exists() and not path.is_dir():
+        raise CacheDirError(f"autohc's kernel cache {path} (from {named}) is a file, not a "
+                                 "directory: point AUTOHC_CACHE_DIR at a directory (it is created if missing)")
+    return path
 
 
 def compiler() -> str:

@@ -192,7 +192,9 @@ def _race(t: Tuning) -> None:
                 continue
             finalists[f"candidate {i}"] = p
         a, b = t.problem.operands(seed=1, dtype=verify.dtype)
-        out = torch.empty(a.shape[0], b.shape[1])
+        # bf16: into a bf16 C, as install() writes under autocast (with K past one panel a
+        # bf16 C costs fp32 partial sums that an fp32 C does not)
+        out = torch.empty(a.shape[0], b.shape[1], dtype=verify.dtype or torch.float32)
         runs = {k: (lambda p=p: gemm_matmul.matmul(a, b, out=out, params=p)) for k, p in finalists.items()}
         times = timing.interleaved(runs, samples=SAMPLES, warmup=1, max_seconds=budget_s())
     finally:

@@ -75,8 +75,8 @@ def _against_torch(problem: GemmProblem, candidates: dict[str, GemmParams], thre
     side by side by the one protocol (pipeline.race) at `threads` for every library."""
     bf16 = next(iter(candidates.values())).dtype == "bf16"
     a, b = problem.operands(0, torch.bfloat16 if bf16 else None)
-    out = torch.empty(a.shape[0], b.shape[1])
-    # the baseline: torch's own matmul of the same inputs (bf16: oneDNN, writing bf16)
+    # bf16: both write a bf16 C (torch: oneDNN), as install() does under autocast
+    out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype)
     base_out = torch.empty(out.shape, dtype=a.dtype)
     for p in candidates.values():
         get_kernel(p)
