@@ -56,7 +56,7 @@ def cache_dir() -> Path:
         named = "XDG_CACHE_HOME" if xdg else "the home directory's .cache"
     if path.exists() and not path.is_dir():
         raise CacheDirError(f"autohc's kernel cache {path} (from {named}) is a file, not a "
-                                 "directory: point AUTOHC_CACHE_DIR at a directory (it is created if missing)")
+                            "directory: point AUTOHC_CACHE_DIR at a directory (it is created if missing)")
     return path
 
 

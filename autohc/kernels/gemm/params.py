@@ -176,7 +176,7 @@ def panel_ring_depth(jc_ways: int, ic_ways: int, jr_ways: int) -> int:
     panel's compute before its use and doubles the B footprint. Measured on a Zen 5 (family
     26 model 2), 2 threads in own ways, interleaved: DiT-XL/2's 1024 x 1152 x 4608 TN 464 vs
     443 GFLOP/s, 1024 x 1152 x 3456 NN 482-486 vs 464-473, 1152 x 1024 x 4608 TN 470-477 vs
-    448-450; the others (K = 4608, N = 1152, DiT-S/2's) within 1 %."""
+    448-450; the others (K = 4608, N = 1152, DiT-S/2's) within 2 %."""
     return 2 if ic_ways * jr_ways > 1 else 1
 
 
