@@ -46,7 +46,9 @@ def test_info_json():
     from autohc.kernels.gemm.kernel import default_kernel_params
     p = default_kernel_params(info["cores"])
     assert info["gemm_threads"] == "1 thread" if info["cores"] == 1 else \
-        info["gemm_threads"].startswith(f"{info['cores']} threads as {p.jc_ways}x{p.ic_ways}x{p.jr_ways}")
+        info["gemm_threads"].startswith(f"{info['cores']} threads as {p.jc_ways}x{p.ic_ways}x{p.jr_ways}") \
+        and info["gemm_threads"].endswith("one B panel buffer" if p.depth == 1 else
+                                          f"a ring of {p.depth} B panel buffers")
 
 
 def test_info_says_a_bad_setting_in_one_line():

@@ -61,7 +61,8 @@ def _geometry_line(threads: int) -> str:
     how = ("each thread its own JC way: its own N slice, or rows where N < M (own_ways_up_to)"
            if p.own_ways else
            "JC ways split N by NUMA node; a node's threads share B panels and split M (IC) and B micro-panels (JR)")
-    return f"{threads} threads as {p.jc_ways}x{p.ic_ways}x{p.jr_ways} (JC x IC x JR ways): {how}"
+    ring = "one B panel buffer" if p.depth == 1 else f"a ring of {p.depth} B panel buffers"
+    return f"{threads} threads as {p.jc_ways}x{p.ic_ways}x{p.jr_ways} (JC x IC x JR ways): {how}; {ring}"
 
 
 def _team_line() -> str:
