@@ -110,9 +110,8 @@ def _candidates(isa: str, default: GemmParams) -> list[GemmParams]:
     overrides = archs.gemm_candidates(isa)
     if default.threads > 1:             # the other thread geometry than the default's: every
         # thread its own JC way (CFTP's split per thread), or a cluster's threads sharing B
-        jc, ic, jr = thread_geometry(default.threads, team_nodes(default.threads))
-        if not default.own_ways:
-            jc, ic, jr = default.threads, 1, 1
+        jc, ic, jr = (thread_geometry(default.threads, team_nodes(default.threads)) if default.own_ways
+                      else (default.threads, 1, 1))
         overrides.append(dict(jc_ways=jc, ic_ways=ic, jr_ways=jr, depth=panel_ring_depth(jc, ic, jr)))
     out = []
     for c in overrides:
