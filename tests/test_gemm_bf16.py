@@ -91,6 +91,28 @@ def test_fuzz_layouts_shapes_strides_dtypes(isa):
 
 
 @pytest.mark.parametrize("isa", RUNNABLE)
+def test_bf16_rows_at_any_offset_and_stride(isa):
+    """bf16 rows contiguous along K (A in NT/NN, W in NT) are transposed in place as 32-bit
+    pairs where their stride is even and they start on a 4-byte boundary; an odd element
+    offset, an odd stride or an odd K takes the copying path. Both give the same products."""
+    rng = random.Random(11)
+    for threads in (1, 2):
+        params = bf16_params(isa, threads, kc=64)       # K past one panel: panel offsets too
+        for off in (0, 1):
+            for k in (64, 130, 131, 200):
+                for ld in (k + off, k + off + 1):       # even and odd row strides
+                    m, n = 29, 45
+                    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+                    xa = torch.randn(m, ld + 1, generator=g).to(torch.bfloat16)
+                    xw = torch.randn(n, ld + 1, generator=g).to(torch.bfloat16)
+                    a = xa[:, off:off + k]
+                    for b in (xw[:, off:off + k].t(), torch.randn(k, n, generator=g).to(torch.bfloat16)):
+                        out = autohc.matmul(a, b, params=params)
+                        check_bf16(out, a, b, torch.zeros(m, n), 1.0, 0.0,
+                                   f"{isa} t{threads} off {off} k {k} ld {ld + 1} b {b.stride()}")
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
 def test_every_register_tile_and_loop_order(isa):
     """The search space's tiles and both loop orders (edges of every micro-tile)."""
     rng = random.Random(5)
