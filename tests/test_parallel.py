@@ -30,6 +30,15 @@ def test_clusters_split_every_gemm_by_n():
     cftp.enable(1, 2)
     g = cftp.geometry(p)
     assert (g.jc_ways, g.ic_ways) == (1, 2)
+    # the B panel ring follows the new geometry where it was the rule's for the old one:
+    # own ways (one buffer each) made into one cluster of 2 threads share panels, two buffers
+    own = p.__class__(**{**p.to_dict(), "jc_ways": 2, "ic_ways": 1, "jr_ways": 1, "depth": 1})
+    assert cftp.geometry(own).depth == 2
+    cftp.enable(2, 2)
+    shared = p.__class__(**{**p.to_dict(), "jc_ways": 1, "ic_ways": 2, "jr_ways": 1, "depth": 2})
+    assert cftp.geometry(shared).depth == 1         # clusters of one thread: one buffer
+    named = p.__class__(**{**p.to_dict(), "jc_ways": 1, "ic_ways": 2, "jr_ways": 1, "depth": 3})
+    assert cftp.geometry(named).depth == 3          # not the rule's: kept
     with pytest.raises(ValueError, match="do not split into 3 equal clusters"):
         cftp.enable(3, 2)
     with pytest.raises(ValueError, match="positive number of clusters"):

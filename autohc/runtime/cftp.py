@@ -19,6 +19,7 @@ import dataclasses
 import threading
 from typing import TYPE_CHECKING
 
+from ..kernels.gemm.params import panel_ring_depth
 from . import plan as cpu_plan
 
 if TYPE_CHECKING:
@@ -61,11 +62,19 @@ def clusters() -> int | None:
 
 def geometry(params):
     """GEMM parameters with the cluster-level N split (JC ways = clusters), where CFTP is on
-    and the call's threads split evenly; the parameters as they are otherwise."""
+    and the call's threads split evenly; the parameters as they are otherwise. A B panel ring
+    that is the rule's for the old geometry (params.panel_ring_depth) becomes the rule's for
+    the new one: own ways (one buffer) turned into clusters of several threads get two, so a
+    thread packs panel p + 1 while the others compute p. Another depth (an arch entry's, a
+    tuned one) is kept."""
     c = _state["clusters"]
     if c is None or params.threads % c or params.jc_ways == c and params.jr_ways == 1:
         return params
-    return dataclasses.replace(params, jc_ways=c, ic_ways=params.threads // c, jr_ways=1).validate()
+    ic = params.threads // c
+    depth = params.depth
+    if depth == panel_ring_depth(params.jc_ways, params.ic_ways, params.jr_ways):
+        depth = panel_ring_depth(c, ic, 1)
+    return dataclasses.replace(params, jc_ways=c, ic_ways=ic, jr_ways=1, depth=depth).validate()
 
 
 def _slices(t: "torch.Tensor", clusters: int) -> list[slice]:
