@@ -2,8 +2,10 @@
 accumulation. Checked against float64 of the bf16-rounded inputs with the fp32 accumulation
 bound 2 (K + 4) u32 |A||B| (a product of two bf16 is exact in fp32, so only the sums round),
 plus, for a bf16 out, its one final rounding (2^-8 of the value). Every back-end this CPU runs
-is fuzzed (AVX512_BF16, AMX where present, and the widened fp32 fallback); the ones it cannot
-run are compiled only."""
+is fuzzed (AVX512_BF16, AMX where present, and the widened fp32 fallback); on a CPU with
+AVX512_BF16 but no AMX the AMX back-end runs too, its tile instructions emulated in C and
+checked as the CPU checks them (gemm/amx_emulated.h.j2); what a CPU cannot run is compiled."""
+import contextlib
 import random
 import shutil
 import subprocess
@@ -15,15 +17,44 @@ import torch
 import autohc
 from autohc.hw import cpu
 from autohc.kernels.gemm.codegen import render_gemm
-from autohc.kernels.gemm.kernel import get_kernel
+from autohc.kernels.gemm.kernel import get_kernel, tile_emulation
 from autohc.kernels.gemm.params import GemmParams, ParamError, default_params
 from autohc.kernels.isa import GEMM_ISAS
 from autohc.tune import registry
 
 from gemm_reference import check
 
-# every bf16 back-end this CPU runs: the bf16 ones, then the widened fallback on the fp32 one
-RUNNABLE = cpu.runnable_bf16_isas() + [cpu.best_isa()]
+# the AMX back-end with its tiles emulated, where this CPU runs the vector code around them
+EMULATED_AMX = ("amx-emulated" if "avx512bf16" in cpu.runnable_bf16_isas()
+                and "amx" not in cpu.runnable_bf16_isas() else None)
+# every bf16 back-end this CPU runs with bf16 products (AMX perhaps emulated) ...
+BF16_UNITS = cpu.runnable_bf16_isas() + ([EMULATED_AMX] if EMULATED_AMX else [])
+# ... then the widened fallback on the fp32 one
+RUNNABLE = BF16_UNITS + [cpu.best_isa()]
+
+
+@contextlib.contextmanager
+def backend(name: str):
+    """The isa of a back-end named in RUNNABLE, its tiles emulated inside for amx-emulated."""
+    if name == EMULATED_AMX:
+        with tile_emulation():
+            yield "amx"
+    else:
+        yield name
+
+
+@pytest.fixture(params=RUNNABLE)
+def isa(request):
+    with backend(request.param) as name:
+        yield name
+
+
+@pytest.fixture(params=BF16_UNITS or ["none"])
+def unit_isa(request):
+    if request.param == "none":
+        pytest.skip("no bf16 back-end here: the widened fallback (tested above) is the path")
+    with backend(request.param) as name:
+        yield name
 
 
 def bf16_params(isa: str, threads: int = 1, **over) -> GemmParams:
@@ -65,7 +96,6 @@ def check_bf16(got, a, b, c0, alpha, beta, what):
         check(got, a64, b64, c0, alpha, beta, what)
 
 
-@pytest.mark.parametrize("isa", RUNNABLE)
 def test_fuzz_layouts_shapes_strides_dtypes(isa):
     """Ragged shapes (1, primes, past the tiles and blocks), the three layouts, strided
     views, alpha/beta, bf16/fp32/mixed inputs and fp32/bf16 out, on one and two threads."""
@@ -90,7 +120,6 @@ def test_fuzz_layouts_shapes_strides_dtypes(isa):
                        f"alpha {alpha} beta {beta}")
 
 
-@pytest.mark.parametrize("isa", RUNNABLE)
 def test_bf16_rows_at_any_offset_and_stride(isa):
     """bf16 rows contiguous along K (A in NT/NN, W in NT) are transposed in place as 32-bit
     pairs where their stride is even and they start on a 4-byte boundary; an odd element
@@ -112,7 +141,6 @@ def test_bf16_rows_at_any_offset_and_stride(isa):
                                    f"{isa} t{threads} off {off} k {k} ld {ld + 1} b {b.stride()}")
 
 
-@pytest.mark.parametrize("isa", RUNNABLE)
 def test_every_register_tile_and_loop_order(isa):
     """The search space's tiles and both loop orders (edges of every micro-tile)."""
     rng = random.Random(5)
@@ -132,7 +160,6 @@ def test_every_register_tile_and_loop_order(isa):
                 check_bf16(out, a, b, torch.zeros(m, n), 1.0, 0.0, f"{isa} {mr}x{nr} {layout} {a_outer}")
 
 
-@pytest.mark.parametrize("isa", RUNNABLE)
 def test_zero_sizes_and_nan(isa):
     p = bf16_params(isa)
     a = torch.randn(5, 0, dtype=torch.bfloat16)
@@ -152,13 +179,14 @@ def test_zero_sizes_and_nan(isa):
 def test_fp32_inputs_are_rounded_to_nearest_even_while_packing():
     """compute='bf16' on fp32 inputs gives what bf16 inputs rounded by torch give, bit for bit
     (the same products, summed in the same order)."""
-    for isa in RUNNABLE:
-        p = bf16_params(isa)
-        x = torch.randn(37, 301) * 3
-        w = torch.randn(45, 301)
-        got = autohc.matmul(x, w.t(), params=p, compute="bf16")
-        want = autohc.matmul(x.to(torch.bfloat16), w.to(torch.bfloat16).t(), out=torch.empty(37, 45), params=p)
-        assert torch.equal(got, want), isa
+    for name in RUNNABLE:
+        with backend(name) as isa:
+            p = bf16_params(isa)
+            x = torch.randn(37, 301) * 3
+            w = torch.randn(45, 301)
+            got = autohc.matmul(x, w.t(), params=p, compute="bf16")
+            want = autohc.matmul(x.to(torch.bfloat16), w.to(torch.bfloat16).t(), out=torch.empty(37, 45), params=p)
+            assert torch.equal(got, want), name
 
 
 def test_numpy_with_compute_bf16():
@@ -348,12 +376,10 @@ def test_bench_gemm_bf16_says_which_path_runs():
         w["gflops"] / max(w["torch_fp32_gflops"], w["numpy_gflops"]), rel=0.01)
 
 
-@pytest.mark.parametrize("isa", cpu.runnable_bf16_isas() or ["none"])
-def test_skinny_paths_adaln_shapes(isa):
+def test_skinny_paths_adaln_shapes(unit_isa):
     """M = batch (adaLN): the dot path (NT) and the rows path (NN, A's K pairs contiguous),
     every pair of input types, odd K, ragged N, beta; a TN or strided A takes the packed path."""
-    if isa == "none":
-        pytest.skip("no bf16 back-end here: the widened fallback has no skinny path")
+    isa = unit_isa
     rng = random.Random(8)
     for threads in (1, 2):
         p = bf16_params(isa, threads, skinny_m=16)
@@ -370,14 +396,12 @@ def test_skinny_paths_adaln_shapes(isa):
                         check_bf16(out, A, B, c0, 0.5, -1.5, f"{isa} t{threads} {layout} {m}x{k}x{n} {fa}{fb}")
 
 
-@pytest.mark.parametrize("isa", cpu.runnable_bf16_isas() or ["none"])
-def test_bf16_out_is_written_by_the_kernel_and_equals_fp32_rounded(isa):
+def test_bf16_out_is_written_by_the_kernel_and_equals_fp32_rounded(unit_isa):
     """A bf16 C is written by the bf16 back-ends' own store (the last K panel rounds into it;
     earlier panels' sums in an fp32 workspace): bit for bit the fp32 C of the same kernel
     rounded to nearest even, on one and several K panels, the skinny paths, K = 0, a bias,
     both loop orders, a C that is a column slice of a wider tensor (ldc > N)."""
-    if isa == "none":
-        pytest.skip("no bf16 back-end here: a bf16 C is rounded from an fp32 one (checked by the fuzz)")
+    isa = unit_isa
     from autohc.kernels.gemm.matmul import gemm_bf16_into
     rng = random.Random(31)
     for threads in (1, 2):

@@ -8,10 +8,15 @@ from ..render import environment
 from .params import GemmParams
 
 
-def render_gemm(params: GemmParams) -> str:
-    """C source of one GEMM kernel; its public functions are prefixed with params.symbol."""
+def render_gemm(params: GemmParams, emulate_tiles: bool = False) -> str:
+    """C source of one GEMM kernel; its public functions are prefixed with params.symbol.
+    emulate_tiles (isa amx only): the tile instructions run in C (gemm/amx_emulated.h.j2),
+    checked as a CPU checks them, so the AMX back-end is tested on CPUs without AMX."""
     p = params.validate()
+    if emulate_tiles and p.isa != "amx":
+        raise ValueError(f"emulate_tiles: only the amx back-end has tiles, not {p.isa}")
     ctx = p.to_dict()
+    ctx["emulate_tiles"] = bool(emulate_tiles)
     ctx["fn"] = p.symbol
     ctx["regs"] = GEMM_ISAS[p.isa].registers  # sizes the skinny path's register tile
     ctx["dtype"] = p.dtype                    # (to_dict leaves out fp32)

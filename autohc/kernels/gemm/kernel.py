@@ -2,6 +2,7 @@
 pool, and the choice of parameters for a problem (registry hit, else the default)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 
@@ -18,16 +19,20 @@ class KernelError(RuntimeError):
 
 
 class GemmKernel:
-    """One compiled, verified GEMM configuration."""
+    """One compiled, verified GEMM configuration. emulate_tiles (isa amx): its tile
+    instructions run in C, for tests on CPUs without AMX (`tile_emulation`)."""
 
-    def __init__(self, params: GemmParams):
+    def __init__(self, params: GemmParams, emulate_tiles: bool = False):
         self.params = params.validate()
         spec = GEMM_ISAS[params.isa]
-        source = render_gemm(params)
-        self.library: Library = build(source, gemm_cdef(params, source), spec.cflags,
-                                      meta={"op": "gemm", "params": params.to_dict()})
+        source = render_gemm(params, emulate_tiles)
+        meta = {"op": "gemm", "params": params.to_dict()}
+        if emulate_tiles:
+            meta["emulated_tiles"] = True
+        self.library: Library = build(source, gemm_cdef(params, source), spec.cflags, meta=meta)
         fn = params.symbol
         lib = self.library.lib
+        self._tile_fault = getattr(lib, f"{fn}_tile_fault", None)   # (emulated tiles only)
         self._gemm = getattr(lib, f"{fn}_gemm")
         self._gemm_bias = getattr(lib, f"{fn}_gemm_bias")
         self._gemm_batched = getattr(lib, f"{fn}_gemm_batched")
@@ -58,7 +63,7 @@ class GemmKernel:
         else:
             rc = self._gemm_bias(M, N, K, alpha, a, rsa, csa, b, rsb, csb, beta,
                                  f.cast("float *", bias_ptr), c, ldc, *tail)
-        _check(rc)
+        self._check(rc)
 
     def run_bf16c(self, M: int, N: int, K: int, alpha: float, a_ptr: int, rsa: int, csa: int,
                   b_ptr: int, rsb: int, csb: int, beta: float, bias_ptr: int | None, ws_ptr: int | None,
@@ -70,7 +75,7 @@ class GemmKernel:
         if not self.runnable:
             raise KernelError(f"this CPU cannot run the {self.params.isa} back-end")
         f = self._ffi
-        _check(self._gemm_bf16c(M, N, K, alpha, f.cast("void *", a_ptr), rsa, csa, f.cast("void *", b_ptr),
+        self._check(self._gemm_bf16c(M, N, K, alpha, f.cast("void *", a_ptr), rsa, csa, f.cast("void *", b_ptr),
                                 rsb, csb, beta, f.NULL if bias_ptr is None else f.cast("float *", bias_ptr),
                                 f.NULL if ws_ptr is None else f.cast("float *", ws_ptr),
                                 f.cast("uint16_t *", cb_ptr), ldc, in_f32))
@@ -88,9 +93,18 @@ class GemmKernel:
             raise KernelError(f"this CPU cannot run the {self.params.isa} back-end")
         f = self._ffi
         tail = (in_f32,) if self._bf16 else ()
-        _check(self._gemm_batched(batch, sa, sb, sc, M, N, K, alpha, f.cast(self._in_t, a_ptr), rsa, csa,
+        self._check(self._gemm_batched(batch, sa, sb, sc, M, N, K, alpha, f.cast(self._in_t, a_ptr), rsa, csa,
                                   f.cast(self._in_t, b_ptr), rsb, csb, beta, f.cast("float *", c_ptr), ldc,
                                   *tail))
+
+
+    def _check(self, rc: int) -> None:
+        if self._tile_fault is not None:
+            fault = self._tile_fault()
+            if fault != self._ffi.NULL:
+                raise KernelError(f"{self.params.symbol}: emulated AMX fault: "
+                                  f"{self._ffi.string(fault).decode()}")
+        _check(rc)
 
 
 def _check(rc: int) -> None:
@@ -100,24 +114,39 @@ def _check(rc: int) -> None:
                            -3: "kernel not bound to the worker pool"}.get(rc, f"error {rc}"))
 
 
-_kernels: dict[GemmParams, GemmKernel] = {}
+_kernels: dict[tuple[GemmParams, bool], GemmKernel] = {}
 _kernels_lock = threading.Lock()
-_building: dict[GemmParams, threading.Lock] = {}
+_building: dict[tuple[GemmParams, bool], threading.Lock] = {}
+_emulating_tiles = False
+
+
+@contextlib.contextmanager
+def tile_emulation():
+    """Inside: kernels of the amx back-end are the ones whose tile instructions run in C
+    (GemmKernel's emulate_tiles), so tests run the AMX code on any CPU with AVX512_BF16.
+    Process-wide; for tests only (emulated tiles are thousands of times slower)."""
+    global _emulating_tiles
+    before, _emulating_tiles = _emulating_tiles, True
+    try:
+        yield
+    finally:
+        _emulating_tiles = before
 
 
 def get_kernel(params: GemmParams) -> GemmKernel:
     """The compiled kernel of `params`, built on first use. A build holds only its own
     parameters' lock, so a kernel compiling on a background thread (first-use tuning) never
     holds up a GEMM of another, already built kernel."""
-    k = _kernels.get(params)
+    key = (params, _emulating_tiles and params.isa == "amx")
+    k = _kernels.get(key)
     if k is not None:
         return k
     with _kernels_lock:
-        lock = _building.setdefault(params, threading.Lock())
+        lock = _building.setdefault(key, threading.Lock())
     with lock:
-        k = _kernels.get(params)
+        k = _kernels.get(key)
         if k is None:
-            k = _kernels[params] = GemmKernel(params)
+            k = _kernels[key] = GemmKernel(params, emulate_tiles=key[1])
         return k
 
 

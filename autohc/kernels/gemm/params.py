@@ -18,7 +18,7 @@ from ..isa import BF16_ISAS, GEMM_ISAS, ISAS
 
 # (low, high) inclusive for int fields; the allowed set for enum-like ones.
 RANGES: dict[str, tuple[int, int]] = {
-    "mr": (1, 32), "nr": (4, 128), "kc": (4, 4096), "mc": (1, 16384), "nc": (4, 65536),
+    "mr": (1, 64), "nr": (4, 128), "kc": (4, 4096), "mc": (1, 16384), "nc": (4, 65536),
     "jc_ways": (1, 256), "ic_ways": (1, 256), "jr_ways": (1, 256),
     "prefetch_a": (0, 32), "prefetch_b": (0, 32), "skinny_m": (0, 64),
 }
