@@ -7,6 +7,7 @@ import pytest
 from autohc.hw.cpu import Cache, CpuInfo
 from autohc.kernels import archs
 from autohc.kernels.gemm.params import GemmParams, default_params
+from autohc.kernels.isa import BF16_ISAS
 from autohc.tune.space import as_suggestions, isa_entries, load_space
 
 AVX2 = {"sse2", "avx", "avx2", "fma"}
@@ -176,3 +177,17 @@ def test_default_kernel_params_count_the_nodes_the_team_spans(monkeypatch):
         assert (p.jc_ways, p.ic_ways, p.jr_ways) == (1, 2, 1)
     finally:
         kernel.default_kernel_params.cache_clear()
+
+
+def test_every_register_tile_of_the_search_space_is_a_valid_kernel():
+    """A tile the tuner can suggest must validate on its back-end (the amx section's 48x16
+    once could not: mr was capped at 32, a vector ISA's bound, and every trial of it was
+    pruned); the register bound itself is the back-end's (tests of ParamError elsewhere)."""
+    space = load_space("gemm")
+    for isa, section in space["isa"].items():
+        dtype = "bf16" if isa in BF16_ISAS else "fp32"
+        d = default_params(isa, 1, "generic", dtype=dtype)
+        for tile in section["tile"]["values"]:
+            mr, nr = (int(x) for x in tile.split("x"))
+            vl = d.vl if nr % d.vl == 0 else 8           # (portable: its 8-lane tiles)
+            dataclasses.replace(d, mr=mr, nr=nr, vl=vl, mc=mr * 8, nc=nr * 8).validate()
