@@ -97,7 +97,6 @@ class GemmKernel:
                                   f.cast(self._in_t, b_ptr), rsb, csb, beta, f.cast("float *", c_ptr), ldc,
                                   *tail))
 
-
     def _check(self, rc: int) -> None:
         if self._tile_fault is not None:
             fault = self._tile_fault()
