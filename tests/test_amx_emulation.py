@@ -16,7 +16,6 @@ from autohc.kernels.family import exported_declarations
 from autohc.kernels.gemm.codegen import render_gemm
 from autohc.kernels.gemm.kernel import KernelError, get_kernel, tile_emulation
 from autohc.kernels.gemm.params import default_params
-from autohc.kernels.isa import GEMM_ISAS
 from autohc.kernels.render import environment
 
 # Drives the emulator: configures tile t with rows[t] x colsb[t] (palette `palette`), then
@@ -158,14 +157,7 @@ def test_emulated_kernels_hold_no_tile_instruction_and_real_ones_do():
             real.run(1, 1, 1, 1.0, 0, 1, 1, 0, 1, 1, 0.0, 0, 1)
 
 
-@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
-def test_emulated_kernel_compiles_without_warnings(tmp_path):
-    p = default_params("amx", 2, arch="generic", dtype="bf16")
-    c = tmp_path / "emulated.c"
-    c.write_text(render_gemm(p, emulate_tiles=True))
-    proc = subprocess.run(["gcc", "-O2", "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared",
-                           *GEMM_ISAS["amx"].cflags, str(c), "-o", str(tmp_path / "e.so"), "-lpthread"],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
+def test_only_the_amx_back_end_is_emulated():
+    """(test_gemm_bf16.py builds the emulated AMX kernel standalone with every warning an error)"""
     with pytest.raises(ValueError, match="only the amx back-end"):
         render_gemm(default_params("avx512bf16", 1, arch="generic", dtype="bf16"), emulate_tiles=True)

@@ -234,20 +234,24 @@ def test_params_validation():
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
-@pytest.mark.parametrize("isa", ["avx512bf16", "amx", "avx2", "portable"])
-def test_every_bf16_backend_compiles_standalone(isa, tmp_path):
+@pytest.mark.parametrize("name", ["avx512bf16", "amx", "amx-emulated", "avx2", "portable"])
+def test_every_bf16_backend_compiles_standalone(name, tmp_path):
     """The rendered C builds without Python (as `autohc export` ships it) with every warning
-    an error: AMX and AVX512_BF16 included on CPUs that cannot run them."""
+    an error: AMX and AVX512_BF16 included on CPUs that cannot run them, and the AMX kernel
+    with its tiles emulated (the tests' build of it)."""
+    isa, emulated = name.removesuffix("-emulated"), name.endswith("-emulated")
     for threads, a_outer in ((1, False), (2, True)):
         p = bf16_params(isa, threads, a_outer=a_outer)
         c = tmp_path / f"{isa}{threads}.c"
-        c.write_text(render_gemm(p))
+        c.write_text(render_gemm(p, emulate_tiles=emulated))
         cmd = ["gcc", "-O3", "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared",
                *GEMM_ISAS[isa].cflags, str(c), "-o", str(tmp_path / f"{isa}{threads}.so"), "-lpthread"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr
-    src = render_gemm(bf16_params(isa))
-    if isa == "amx":
+    src = render_gemm(bf16_params(isa), emulate_tiles=emulated)
+    if emulated:
+        assert "emu_tile_dpbf16ps" in src and "amx_configure" in src
+    elif isa == "amx":
         assert "_tile_dpbf16ps" in src and "amx_configure" in src
     elif isa == "avx512bf16":
         assert "_mm512_dpbf16_ps" in src
