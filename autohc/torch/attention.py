@@ -120,21 +120,17 @@ def out_like_query(q: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.preserve_format)
 
 
-def grad_like(t: torch.Tensor) -> torch.Tensor:
+def grad_like(t: torch.Tensor, pooled: bool = False) -> torch.Tensor:
     """An empty gradient laid out as ATen's flash-attention backward gives it: (B, L, H, D)
-    in memory."""
+    in memory. pooled (the kernel's own results, fp32 or bf16): a block of the result pool
+    where it is large, as the GEMMs' results are. A fresh mapping is faulted in and zeroed by
+    the OS inside the kernel's first write: with a new 14 MB d qkv per layer, the 28 attention
+    backward calls of a DiT-XL/2 step (batch 4, Zen 5, 2 threads) took 0.24-0.51 s; from the
+    pool, 0.24-0.26. (The fake kernel and the ATen path take plain torch.empty.)"""
     B, H, L, D = t.shape
-    return _result(B, L, H, D, dtype=t.dtype).transpose(1, 2)
-
-
-def _result(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-    """An empty tensor for the kernel to write: a block of the result pool where it is large,
-    as the GEMMs' results are. A fresh mapping is faulted in and zeroed by the OS inside the
-    kernel's first write: with a new 14 MB d qkv per layer, the 28 attention backward calls of
-    a DiT-XL/2 step (batch 4, Zen 5, 2 threads) took 0.24-0.51 s; from the pool, 0.24-0.26."""
-    if dtype in (torch.float32, torch.bfloat16):
-        return fresh_empty(*shape, dtype=dtype)
-    return torch.empty(shape, dtype=dtype)
+    if pooled:
+        return fresh_empty(B, L, H, D, dtype=t.dtype).transpose(1, 2)
+    return torch.empty(B, L, H, D, dtype=t.dtype).transpose(1, 2)
 
 
 def lse_like(q: torch.Tensor) -> torch.Tensor:
@@ -175,7 +171,7 @@ def backward_kernel(grad, q, k, v, out, lse, scale: float | None, into=None):
     grad, q, k, v, out = (_inner(t) for t in (grad, q, k, v, out))
     B, H, L, D = q.shape
     S = k.shape[2]
-    dq, dk, dv = into if into is not None else (grad_like(q), grad_like(k), grad_like(v))
+    dq, dk, dv = into if into is not None else tuple(grad_like(t, pooled=True) for t in (q, k, v))
     scale = _scale(scale, D)
     _check(bwd(_ptr(ffi, grad), _ptr(ffi, q), _ptr(ffi, k), _ptr(ffi, v), _ptr(ffi, out),
                _ptr(ffi, lse), _ptr(ffi, dq), _ptr(ffi, dk), _ptr(ffi, dv), B, H, L, S, D,
@@ -311,7 +307,7 @@ def _attention_qkv_backward(grad: torch.Tensor, qkv: torch.Tensor, out: torch.Te
     g, o = _heads_view(grad, heads), _heads_view(out, heads)
 
     def kernel():
-        dqkv = _result(B, T, C, dtype=qkv.dtype)
+        dqkv = fresh_empty(B, T, C, dtype=qkv.dtype)     # from the result pool (grad_like)
         backward_kernel(g, q, k, v, o, lse, scale, into=qkv_views(dqkv, heads))
         return dqkv
 
