@@ -112,12 +112,16 @@ def test_fuzz_layouts_shapes_strides_dtypes(isa):
             alpha = rng.choice([1.0, -0.5])
             beta = rng.choice([0.0, 0.0, 1.0, -2.0])
             out_dtype = rng.choice([torch.float32, torch.bfloat16])
-            c0 = torch.randn(m, n).to(out_dtype)
-            out = c0.clone()
-            autohc.matmul(a, b, out=out, alpha=alpha, beta=beta, params=params, compute="bf16")
-            check_bf16(out, a, b, c0.float(), alpha, beta,
-                       f"{isa} t{threads} {layout} m{m} k{k} n{n} {a.dtype}/{b.dtype}->{out_dtype} "
-                       f"alpha {alpha} beta {beta}")
+            run_and_check(a, b, torch.randn(m, n).to(out_dtype), alpha, beta, params,
+                          f"{isa} t{threads} {layout} m{m} k{k} n{n} {a.dtype}/{b.dtype}->{out_dtype} "
+                          f"alpha {alpha} beta {beta}")
+
+
+def run_and_check(a, b, c0, alpha, beta, params, what):
+    """out := alpha a b + beta c0 (out of c0's dtype) by `params` in bf16, against float64"""
+    out = c0.clone()
+    autohc.matmul(a, b, out=out, alpha=alpha, beta=beta, params=params, compute="bf16")
+    check_bf16(out, a, b, c0.float(), alpha, beta, what)
 
 
 def test_bf16_rows_at_any_offset_and_stride(isa):
@@ -231,6 +235,38 @@ def test_params_validation():
     assert "dtype" not in p.to_dict() and GemmParams.from_dict(p.to_dict()) == p
     q = default_params("avx2", dtype="bf16")
     assert q.key != p.key and GemmParams.from_dict(q.to_dict()) == q
+    # c_tiles is the AMX back-end's; off, a set keeps the key it had before the field
+    with pytest.raises(ParamError, match="c_tiles"):
+        GemmParams(isa="avx512bf16", vl=16, mr=12, nr=32, dtype="bf16", c_tiles=True).validate()
+    x = default_params("amx", dtype="bf16")
+    y = GemmParams(**{**x.to_dict(), "c_tiles": True}).validate()
+    assert "c_tiles" not in x.to_dict() and y.key != x.key and GemmParams.from_dict(y.to_dict()) == y
+
+
+@pytest.mark.skipif(not ({"amx", EMULATED_AMX} & set(BF16_UNITS)), reason="needs AMX, real or emulated")
+def test_amx_c_through_the_tiles():
+    """c_tiles: a whole fp32 C tile with alpha 1 and no bias goes straight between C and the
+    accumulators (loaded where beta is 1: a later K panel, or C's own values); every other
+    tile (edges, alpha != 1, another beta, a bf16 C) takes the vector epilogue. Both loop
+    orders, K over several panels, 1 and 2 threads, against float64."""
+    with backend("amx" if "amx" in BF16_UNITS else EMULATED_AMX):
+        _c_through_the_tiles()
+
+
+def _c_through_the_tiles():
+    rng = random.Random(31)
+    for threads in (1, 2):
+        for a_outer in (False, True):
+            p = bf16_params("amx", threads, kc=64, mc=64, nc=96, a_outer=a_outer, c_tiles=True)
+            for layout in ("NT", "NN", "TN"):
+                for m, k, n in ((64, 192, 96), (64 + 7, 64 * 2 + 33, 96 + 5), (32, 64, 32)):
+                    a, b = operands(layout, m, k, n, rng)
+                    for alpha, beta, out_dtype in ((1.0, 0.0, torch.float32), (1.0, 1.0, torch.float32),
+                                                   (-0.5, 1.0, torch.float32), (1.0, -2.0, torch.float32),
+                                                   (1.0, 0.0, torch.bfloat16)):
+                        run_and_check(a, b, torch.randn(m, n).to(out_dtype), alpha, beta, p,
+                                      f"c_tiles t{threads} a_outer {a_outer} {layout} m{m} k{k} n{n} "
+                                      f"alpha {alpha} beta {beta} {out_dtype}")
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
@@ -240,8 +276,9 @@ def test_every_bf16_backend_compiles_standalone(name, tmp_path):
     an error: AMX and AVX512_BF16 included on CPUs that cannot run them, and the AMX kernel
     with its tiles emulated (the tests' build of it)."""
     isa, emulated = name.removesuffix("-emulated"), name.endswith("-emulated")
-    for threads, a_outer in ((1, False), (2, True)):
-        p = bf16_params(isa, threads, a_outer=a_outer)
+    variants = [(1, False, {}), (2, True, {})] + ([(2, True, {"c_tiles": True})] if isa == "amx" else [])
+    for threads, a_outer, more in variants:
+        p = bf16_params(isa, threads, a_outer=a_outer, **more)
         c = tmp_path / f"{isa}{threads}.c"
         c.write_text(render_gemm(p, emulate_tiles=emulated))
         cmd = ["gcc", "-O3", "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared",
@@ -380,14 +417,18 @@ def test_bench_gemm_bf16_says_which_path_runs():
         w["gflops"] / max(w["torch_fp32_gflops"], w["numpy_gflops"]), rel=0.01)
 
 
-def test_skinny_paths_adaln_shapes(unit_isa):
+@pytest.mark.parametrize("unit", ["dot", "fma"])
+def test_skinny_paths_adaln_shapes(unit_isa, unit):
     """M = batch (adaLN): the dot path (NT) and the rows path (NN, A's K pairs contiguous),
-    every pair of input types, odd K, ragged N, beta; a TN or strided A takes the packed path."""
+    on vdpbf16ps and on fp32 FMAs (bf16 widened), every pair of input types, odd K, ragged N,
+    beta; a TN or strided A takes the packed path."""
     isa = unit_isa
     rng = random.Random(8)
     for threads in (1, 2):
-        p = bf16_params(isa, threads, skinny_m=16)
-        for m, k, n in [(8, 1152, 6912 // 8), (1, 1, 1), (3, 37, 50), (16, 33, 17), (5, 2, 100), (13, 95, 49)]:
+        p = bf16_params(isa, threads, skinny_m=16, skinny_unit=unit)
+        assert get_kernel(p).skinny_unit() == unit
+        for m, k, n in [(8, 1152, 6912 // 8), (1, 1, 1), (3, 37, 50), (16, 33, 17), (5, 2, 100), (13, 95, 49),
+                        (9, 16, 48), (4, 17, 97)]:
             for layout in ("NT", "NN", "TN"):
                 a, b = operands(layout, m, k, n, rng)
                 for fa in (0, 1):
@@ -395,9 +436,28 @@ def test_skinny_paths_adaln_shapes(unit_isa):
                         A = a if fa else a.to(torch.bfloat16)
                         B = b if fb else b.to(torch.bfloat16)
                         c0 = torch.randn(m, n)
+                        alpha, beta = (0.5, -1.5) if (fa + fb + m) % 2 else (1.0, 0.0)
                         out = c0.clone()
-                        autohc.matmul(A, B, out=out, alpha=0.5, beta=-1.5, params=p, compute="bf16")
-                        check_bf16(out, A, B, c0, 0.5, -1.5, f"{isa} t{threads} {layout} {m}x{k}x{n} {fa}{fb}")
+                        autohc.matmul(A, B, out=out, alpha=alpha, beta=beta, params=p, compute="bf16")
+                        check_bf16(out, A, B, c0, alpha, beta, f"{isa} {unit} t{threads} {layout} {m}x{k}x{n} {fa}{fb}")
+
+
+def test_skinny_unit_auto_is_one_of_the_two(unit_isa):
+    """skinny_unit auto: a probe of vdpbf16ps against FMA throughput picks one form once per
+    process; the result is that form's, bit for bit."""
+    rng = random.Random(3)
+    auto = get_kernel(bf16_params(unit_isa, 1, skinny_m=16))
+    chosen = auto.skinny_unit()
+    assert chosen in ("dot", "fma")
+    same = bf16_params(unit_isa, 1, skinny_m=16, skinny_unit=chosen)
+    for layout in ("NT", "NN"):
+        a, b = operands(layout, 6, 301, 77, rng)
+        a, b = a.to(torch.bfloat16), b.to(torch.bfloat16)
+        got = autohc.matmul(a, b, params=auto.params)
+        want = autohc.matmul(a, b, params=same)
+        assert torch.equal(got, want), layout
+    with pytest.raises(ParamError, match="skinny_unit"):
+        GemmParams(isa="avx512", vl=16, mr=12, nr=32, skinny_unit="fma").validate()
 
 
 def test_bf16_out_is_written_by_the_kernel_and_equals_fp32_rounded(unit_isa):

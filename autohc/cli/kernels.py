@@ -30,6 +30,7 @@ def cmd_info(args) -> int:
         "bf16_dot_peak_gflops_per_core": _round(bf16["dot_gflops_per_core"]),
         "bf16_tile_peak_gflops_per_core": _round(bf16["tile_gflops_per_core"]),
         "bf16_backend": bf16["backend"], "bf16_backend_why": bf16["why"],
+        "bf16_skinny_unit": _skinny_unit(bf16["backend"]),
         "cpu_plan": plan.current().describe(),
         "kernel_threads": _team_line(),
         "result_pool": memory.pool.describe(),
@@ -42,7 +43,9 @@ def cmd_info(args) -> int:
         print(json.dumps(data))
     else:
         for k, v in data.items():
-            if k.startswith("bf16_"):      # the four bf16 keys read as one line
+            if k == "bf16_skinny_unit":
+                print(f"{'bf16_skinny':>26}: {_skinny_line(v)}")
+            elif k.startswith("bf16_"):    # the four bf16 peak keys read as one line
                 if k == "bf16_backend":
                     print(f"{'bf16_peak':>26}: {_bf16_line(data)}")
             elif k == "first_use_tuned":      # one problem per line
@@ -92,6 +95,25 @@ def _bf16_line(d: dict) -> str:
         return (f"{dot} GFLOP/s per core (vdpbf16ps dot products); AMX tiles: {amx} "
                 f"-> bf16 GEMMs run on {backend}")
     return f"none ({d['bf16_backend_why']})"
+
+
+def _skinny_unit(backend: str) -> str | None:
+    """What the bf16 back-end's skinny paths (M <= skinny_m: adaLN) run on here, "dot" or
+    "fma" (its kernel's own probe of the two instructions), None without a bf16 back-end."""
+    if backend not in ("amx", "avx512bf16"):
+        return None
+    from ..kernels.gemm.kernel import default_kernel_params, get_kernel
+    p = default_kernel_params(1, isa=backend, dtype="bf16")
+    return get_kernel(p).skinny_unit() if p.skinny_m else None
+
+
+def _skinny_line(unit: str | None) -> str:
+    if unit == "dot":
+        return "M <= 16 (adaLN) on vdpbf16ps (a probe found it at least 2/3 of the fp32 FMA rate here)"
+    if unit == "fma":
+        return ("M <= 16 (adaLN) on fp32 FMAs, bf16 widened (a probe found vdpbf16ps under 2/3 "
+                "of the FMA rate here)")
+    return "none (no bf16 back-end)"
 
 
 def _first_use_entries(registry) -> list[str]:

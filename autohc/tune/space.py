@@ -102,7 +102,7 @@ def suggest_params(trial, isa: str, threads: int, op: str = "gemm") -> GemmParam
 
 def as_suggestions(params: GemmParams, isa: str, op: str = "gemm") -> dict:
     """The trial values that reproduce `params` (to enqueue the default configuration)."""
-    p = params.to_dict()
+    p = dataclasses.asdict(params)     # (to_dict leaves out fields at their old defaults)
     out = {}
     for name, spec in isa_entries(load_space(op), isa).items():
         if "sets" in spec:

@@ -10,7 +10,7 @@ from .params import GemmParams
 # by it, except on the portable one, where vl is searched too)
 KNOBS = ("vl", "mr", "nr", "kc", "mc", "nc", "k_unroll", "jc_ways", "ic_ways", "jr_ways", "depth",
          "prefetch_a", "prefetch_b", "prefetch_c", "skinny_m", "a_outer",
-         "own_rows")
+         "own_rows", "c_tiles", "skinny_unit")
 
 
 def m_bucket(m: int) -> int:

@@ -42,9 +42,18 @@ class GemmKernel:
         self._ffi = self.library.ffi
         self._bf16 = params.dtype == "bf16"    # A, B: void * and their element types said
         self._in_t = "void *" if self._bf16 else "float *"
+        self._skinny_unit = getattr(lib, f"{fn}_skinny_unit")
         self.runnable = bool(getattr(lib, f"{fn}_isa_supported")())
         if self.runnable:
             pool.bind(self.library, fn)      # threads come from the one worker pool
+
+    def skinny_unit(self) -> str | None:
+        """What this bf16 kernel's skinny paths (M <= skinny_m) run on here: "dot" (vdpbf16ps)
+        or "fma" (fp32 FMAs on widened bf16; params.skinny_unit "auto" probes the two once
+        per process); None where it has none (fp32 kernels, skinny_m 0) or cannot run."""
+        if not self.runnable:
+            return None
+        return {1: "dot", 2: "fma"}.get(self._skinny_unit())
 
     def run(self, M: int, N: int, K: int, alpha: float, a_ptr: int, rsa: int, csa: int,
             b_ptr: int, rsb: int, csb: int, beta: float, c_ptr: int, ldc: int,

@@ -25,6 +25,7 @@ RANGES: dict[str, tuple[int, int]] = {
 CHOICES: dict[str, tuple] = {
     "isa": tuple(GEMM_ISAS), "dtype": ("fp32", "bf16"), "k_unroll": (1, 2, 4, 8), "depth": (1, 2, 3),
     "prefetch_c": (False, True), "a_outer": (False, True), "own_rows": (False, True),
+    "c_tiles": (False, True), "skinny_unit": ("auto", "dot", "fma"),
 }
 # names of earlier releases, still read from registries written by them
 LEGACY_NAMES = {"clusters": "jc_ways", "tm": "ic_ways", "tn": "jr_ways"}
@@ -61,6 +62,14 @@ class GemmParams:
     # packing) accumulated in fp32, on vdpbf16ps (isa avx512bf16), AMX tiles (isa amx) or,
     # on any other back-end, the fp32 micro-kernel on operands widened back to fp32
     dtype: str = "fp32"
+    # amx only: a whole C tile with alpha 1 and no bias is loaded into the accumulators
+    # (beta 1) and stored from them with tile instructions, instead of through a stack copy
+    # and a vector epilogue (templates/gemm/ukernel_amx.c.j2)
+    c_tiles: bool = False
+    # bf16 back-ends' skinny paths: "dot" vdpbf16ps, "fma" fp32 FMAs on bf16 widened to fp32,
+    # "auto" whichever a probe of the two instructions' throughput favours on this CPU
+    # (templates/gemm/skinny_bf16.c.j2)
+    skinny_unit: str = "auto"
 
     @property
     def threads(self) -> int:
@@ -102,7 +111,12 @@ class GemmParams:
                 raise ParamError(f"mr x nr = {self.mr}x{self.nr} needs {tiles} tiles; AMX has 8")
             if self.kc % 32:
                 raise ParamError(f"kc={self.kc}: AMX takes K in blocks of 32; must be a multiple of 32")
-        else:
+        elif self.c_tiles:
+            raise ParamError(f"c_tiles: C through tile registers is for isa amx, not {self.isa}")
+        if self.skinny_unit != "auto" and self.isa not in BF16_ISAS:
+            raise ParamError(f"skinny_unit={self.skinny_unit!r}: the bf16 back-ends' skinny paths "
+                             f"have it, not {self.isa}; must be 'auto'")
+        if self.isa != "amx":
             regs = self.mr * nv + nv + 1    # accumulators + B vectors + the A broadcast
             if regs > spec.registers:
                 raise ParamError(f"mr x nr = {self.mr}x{self.nr} needs {regs} vector registers; "
@@ -124,6 +138,10 @@ class GemmParams:
         d = dataclasses.asdict(self)
         if d["dtype"] == "fp32":    # fp32 sets keep the keys (cached kernels) they had before bf16
             del d["dtype"]
+        if not d["c_tiles"]:        # ... and every set the key it had before c_tiles
+            del d["c_tiles"]
+        if d["skinny_unit"] == "auto":
+            del d["skinny_unit"]
         return d
 
     @classmethod
