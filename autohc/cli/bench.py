@@ -171,11 +171,15 @@ def cmd_bench_gemm(args) -> int:
     return 0
 
 
+def _skinny_words(unit) -> str:
+    return {"dot": "vdpbf16ps", "fma": "fp32 FMAs, bf16 widened"}.get(unit, "the packed path")
+
+
 def _bf16_table(r: dict):
     from rich.table import Table
     t = Table(title=f"{r['model']} training GEMMs in bf16, {r['threads']} thread(s), {r['bf16_isa']} "
                     f"({r['bf16_why']}; {r['peak_kind']} peak {r['peak_gflops_per_core']} GFLOP/s "
-                    f"per core)")
+                    f"per core; adaLN rows M <= 16 on {_skinny_words(r.get('bf16_skinny_unit'))})")
     for col in ("GEMM", "layout", "M", "K", "N", "config", "autohc bf16", "% peak", "torch bf16",
                 "torch fp32", "numpy fp32", "x torch bf16", "x best fp32"):
         t.add_column(col, justify="left" if col in ("GEMM", "layout", "config") else "right")
