@@ -255,18 +255,17 @@ def test_amx_c_through_the_tiles():
 
 def _c_through_the_tiles():
     rng = random.Random(31)
-    for threads in (1, 2):
-        for a_outer in (False, True):
-            p = bf16_params("amx", threads, kc=64, mc=64, nc=96, a_outer=a_outer, c_tiles=True)
-            for layout in ("NT", "NN", "TN"):
-                for m, k, n in ((64, 192, 96), (64 + 7, 64 * 2 + 33, 96 + 5), (32, 64, 32)):
-                    a, b = operands(layout, m, k, n, rng)
-                    for alpha, beta, out_dtype in ((1.0, 0.0, torch.float32), (1.0, 1.0, torch.float32),
-                                                   (-0.5, 1.0, torch.float32), (1.0, -2.0, torch.float32),
-                                                   (1.0, 0.0, torch.bfloat16)):
-                        run_and_check(a, b, torch.randn(m, n).to(out_dtype), alpha, beta, p,
-                                      f"c_tiles t{threads} a_outer {a_outer} {layout} m{m} k{k} n{n} "
-                                      f"alpha {alpha} beta {beta} {out_dtype}")
+    for threads, a_outer in ((1, False), (2, True)):
+        p = bf16_params("amx", threads, kc=64, mc=64, nc=96, a_outer=a_outer, c_tiles=True)
+        for layout in ("NT", "NN", "TN"):
+            for m, k, n in ((64, 192, 96), (64 + 7, 64 * 2 + 33, 96 + 5), (32, 64, 32)):
+                a, b = operands(layout, m, k, n, rng)
+                for alpha, beta, out_dtype in ((1.0, 0.0, torch.float32), (1.0, 1.0, torch.float32),
+                                               (-0.5, 1.0, torch.float32), (1.0, -2.0, torch.float32),
+                                               (1.0, 0.0, torch.bfloat16)):
+                    run_and_check(a, b, torch.randn(m, n).to(out_dtype), alpha, beta, p,
+                                  f"c_tiles t{threads} a_outer {a_outer} {layout} m{m} k{k} n{n} "
+                                  f"alpha {alpha} beta {beta} {out_dtype}")
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
@@ -430,7 +429,8 @@ def test_skinny_paths_adaln_shapes(unit_isa, unit):
         assert get_kernel(p).skinny_unit() == unit
         for m, k, n in [(8, 1152, 6912 // 8), (1, 1, 1), (3, 37, 50), (16, 33, 17), (5, 2, 100), (13, 95, 49),
                         (9, 16, 48), (4, 17, 97)]:
-            for layout in ("NT", "NN", "TN"):
+            # (TN takes the packed path, whichever the unit: run it once)
+            for layout in ("NT", "NN", "TN") if unit == "dot" else ("NT", "NN"):
                 a, b = operands(layout, m, k, n, rng)
                 for fa in (0, 1):
                     for fb in (0, 1):
