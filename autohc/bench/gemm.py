@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..hw import cpu
-from ..kernels.gemm.kernel import default_kernel_params, get_kernel
+from ..kernels.gemm.kernel import bf16_skinny_unit, default_kernel_params, get_kernel
 from ..kernels.gemm.matmul import matmul, tuned_params
 from ..kernels.gemm.params import GemmParams
 from ..kernels.gemm.problem import GemmProblem, dit_problems
@@ -122,14 +122,6 @@ def geomean(xs) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
-def _skinny_unit(isa: str, threads: int) -> str | None:
-    """What the adaLN rows (M <= skinny_m) run on in bf16 here: "dot" or "fma" (the kernel's
-    own probe), None without a skinny path (the widened fallback)."""
-    from ..kernels.gemm.kernel import default_kernel_params, get_kernel
-    p = default_kernel_params(threads, isa=isa, dtype="bf16")
-    return get_kernel(p).skinny_unit() if p.skinny_m else None
-
-
 def bench_gemm(model: str = "dit-xl", threads: int = 1, *, repeats: int = 7, progress=None,
                images: int = 8, first_use_tuning: bool = True, dtype: str = "fp32") -> dict:
     """All DiT training GEMMs of `model` at `threads`; the JSON object of `autohc bench gemm`.
@@ -146,7 +138,7 @@ def bench_gemm(model: str = "dit-xl", threads: int = 1, *, repeats: int = 7, pro
             peak = fma_peak_gflops(isa)
             kind = "fp32 fma"
         extra = {"dtype": "bf16", "bf16_isa": isa, "bf16_why": why, "peak_kind": kind,
-                 "bf16_skinny_unit": _skinny_unit(isa, threads)}
+                 "bf16_skinny_unit": bf16_skinny_unit(isa, threads)}
     else:
         isa = cpu.best_isa()
         peak = fma_peak_gflops(isa)

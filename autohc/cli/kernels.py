@@ -11,6 +11,7 @@ def cmd_info(args) -> int:
     from ..build import cache_dir, cache_entries
     from ..hw import cpu
     from ..kernels import archs
+    from ..kernels.gemm.kernel import bf16_skinny_unit
     from ..runtime import memory, plan
     from ..tune import registry
     info = cpu.detect()
@@ -30,7 +31,7 @@ def cmd_info(args) -> int:
         "bf16_dot_peak_gflops_per_core": _round(bf16["dot_gflops_per_core"]),
         "bf16_tile_peak_gflops_per_core": _round(bf16["tile_gflops_per_core"]),
         "bf16_backend": bf16["backend"], "bf16_backend_why": bf16["why"],
-        "bf16_skinny_unit": _skinny_unit(bf16["backend"]),
+        "bf16_skinny_unit": bf16_skinny_unit(bf16["backend"]),
         "cpu_plan": plan.current().describe(),
         "kernel_threads": _team_line(),
         "result_pool": memory.pool.describe(),
@@ -95,16 +96,6 @@ def _bf16_line(d: dict) -> str:
         return (f"{dot} GFLOP/s per core (vdpbf16ps dot products); AMX tiles: {amx} "
                 f"-> bf16 GEMMs run on {backend}")
     return f"none ({d['bf16_backend_why']})"
-
-
-def _skinny_unit(backend: str) -> str | None:
-    """What the bf16 back-end's skinny paths (M <= skinny_m: adaLN) run on here, "dot" or
-    "fma" (its kernel's own probe of the two instructions), None without a bf16 back-end."""
-    if backend not in ("amx", "avx512bf16"):
-        return None
-    from ..kernels.gemm.kernel import default_kernel_params, get_kernel
-    p = default_kernel_params(1, isa=backend, dtype="bf16")
-    return get_kernel(p).skinny_unit() if p.skinny_m else None
 
 
 def _skinny_line(unit: str | None) -> str:

@@ -10,7 +10,7 @@ from ...build import Library, build
 from ...hw import cpu
 from ...runtime import plan, pool
 from .codegen import gemm_cdef, render_gemm
-from ..isa import GEMM_ISAS
+from ..isa import BF16_ISAS, GEMM_ISAS
 from .params import GemmParams, default_params
 
 
@@ -166,6 +166,16 @@ def default_kernel_params(threads: int, isa: str | None = None, dtype: str = "fp
     if isa is None:
         isa = cpu.bf16_isa()[0] if dtype == "bf16" else cpu.best_isa()
     return default_params(isa, threads, clusters=team_nodes(threads), dtype=dtype)
+
+
+def bf16_skinny_unit(isa: str, threads: int = 1) -> str | None:
+    """What the bf16 skinny paths (M <= skinny_m: adaLN) of back-end `isa`'s default kernel
+    run on here, "dot" or "fma" (the kernel's own probe); None for a back-end without them
+    (the widened fallback)."""
+    if isa not in BF16_ISAS:
+        return None
+    p = default_kernel_params(threads, isa=isa, dtype="bf16")
+    return get_kernel(p).skinny_unit() if p.skinny_m else None
 
 
 def team_nodes(threads: int) -> int:
