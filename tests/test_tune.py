@@ -253,6 +253,32 @@ def test_final_race_keeps_the_default_unless_beaten_by_more_than_the_spread():
     assert pick({"default": t(0.9, 0.03), "a": t(1.0, 0.02), "baseline": base}, "default") == "default"
 
 
+def test_a_winner_is_kept_only_if_it_wins_a_second_race_and_its_figures_are_that_race_s():
+    from autohc.bench.timing import Timing
+    from autohc.tune.pipeline import pick_confirmed
+    t = lambda med, spread: Timing(med, spread)  # noqa: E731
+    first = {"default": t(1.0, 0.01), "a": t(0.95, 0.01), "b": t(0.90, 0.01), "baseline": t(1.0, 0.0)}
+    asked = []
+
+    def retime(result):
+        def run(names):
+            asked.append(list(names))
+            return {k: result[k] for k in names} | {"baseline": t(1.0, 0.0)}
+        return run
+    # the second race of the two agrees: b is kept, with the second race's figures
+    again = {"default": t(1.0, 0.01), "b": t(0.93, 0.01)}
+    kept, times = pick_confirmed(first, "default", retime(again))
+    assert kept == "b" and asked == [["default", "b"]] and times["b"].median == 0.93
+    # the second race does not: the default stays (its luck was the first race's)
+    asked.clear()
+    kept, times = pick_confirmed(first, "default", retime({"default": t(1.0, 0.01), "b": t(0.995, 0.01)}))
+    assert kept == "default" and asked == [["default", "b"]] and times["default"].median == 1.0
+    # the default won the first race: no second one
+    asked.clear()
+    kept, times = pick_confirmed({**first, "b": t(0.999, 0.01)} | {"a": t(1.2, 0.01)}, "default", retime(again))
+    assert kept == "default" and asked == [] and times["b"].median == 0.999
+
+
 def test_tune_reports_the_default_remeasured_in_the_race(fresh_cache):
     r = tuner.tune_problem(GemmProblem("race", "NN", 96, 64, 80), 1, trials=3, timeout=120)
     j = r.to_json()

@@ -10,7 +10,8 @@ bf16 operands, and are recorded under their own (dtype) key.
     a later call, once they are built: each candidate is verified (GemmVerifier: a wrong one can
                            never win), then the default and the candidates are raced by the one
                            timing protocol within the budget; the default is kept unless beaten by
-                           more than the spread (pipeline.pick). The entry is recorded with
+                           more than the spread, twice: a winner races the default again on fresh
+                           samples (pipeline.pick_confirmed). The entry is recorded with
                            "source": "first-use" and that call already runs the winner.
 The race runs on the problem's own shapes with operands of its own (never the caller's
 tensors), so a result is never changed, only which verified kernel computes it.
@@ -196,9 +197,11 @@ def _race(t: Tuning) -> None:
         out = torch.empty(a.shape[0], b.shape[1], dtype=verify.dtype or torch.float32)
         runs = {k: (lambda p=p: gemm_matmul.matmul(a, b, out=out, params=p)) for k, p in finalists.items()}
         times = timing.interleaved(runs, samples=SAMPLES, warmup=1, max_seconds=budget_s())
+        kept, times = pipeline.pick_confirmed(
+            times, "default", lambda names: timing.interleaved({k: runs[k] for k in names}, samples=SAMPLES,
+                                                               max_seconds=budget_s()))
     finally:
         _busy.on = False
-    kept = pipeline.pick(times, "default")
     gf = {k: t.problem.flops / v.median / 1e9 for k, v in times.items()}
     t.chosen, t.race_s = finalists[kept], time.perf_counter() - t0
     _spent["race_s"] += t.race_s

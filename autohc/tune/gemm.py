@@ -168,7 +168,8 @@ def tune_problem(problem: GemmProblem, threads: int = 1, *, trials: int | None =
 def final_race(problem: GemmProblem, threads: int, default: GemmParams, complete: list):
     """(params kept, its GFLOP/s, torch's, the default's): the best FINALISTS trials and the
     default raced again (pipeline.race); the default stays unless beaten by more than the
-    spread. Figures are the race's, not the search's."""
+    spread, in that race and in one more of the two (pipeline.pick_confirmed). Figures are the
+    last race's, not the search's."""
     ranked = sorted(complete, key=lambda t: t.value, reverse=True)
     finalists: dict[str, GemmParams] = {"default": default}
     for t in ranked:
@@ -178,7 +179,8 @@ def final_race(problem: GemmProblem, threads: int, default: GemmParams, complete
         if p not in finalists.values():
             finalists[f"trial {t.number}"] = p
     times = _against_torch(problem, finalists, threads)
-    kept = pipeline.pick(times, "default")
+    kept, times = pipeline.pick_confirmed(
+        times, "default", lambda names: _against_torch(problem, {k: finalists[k] for k in names}, threads))
     gf = {k: problem.flops / t.median / 1e9 for k, t in times.items()}
     return finalists[kept], gf[kept], gf["baseline"], gf["default"]
 

@@ -194,7 +194,7 @@ def tune_op(name: str, threads: int | None = None, *, images: int = 8, repeats: 
         if not done:
             raise RuntimeError(f"tune --op {name}: no candidate passed the correctness check")
         # the final race: the best few and the default, again, longer and side by side; the
-        # default is kept unless beaten by more than the spread (tune/pipeline.py)
+        # default is kept unless beaten by more than the spread, twice (tune/pipeline.py)
         default = target.default
         finalists = {"default": {k: getattr(default, k) for k in space}}
         for t in sorted(done, key=lambda t: t.value):
@@ -211,7 +211,8 @@ def tune_op(name: str, threads: int | None = None, *, images: int = 8, repeats: 
                     return mine()
             return run
         times = pipeline.race({k: run_with(v) for k, v in finalists.items()}, theirs)
-        kept = pipeline.pick(times, "default")
+        kept, times = pipeline.pick_confirmed(
+            times, "default", lambda names: pipeline.race({k: run_with(finalists[k]) for k in names}, theirs))
         ms, torch_ms = 1e3 * times[kept].median, 1e3 * times["baseline"].median
         default_ms = 1e3 * times["default"].median
         params = {"isa": isa, **finalists[kept]}
