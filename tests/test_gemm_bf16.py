@@ -268,6 +268,24 @@ def _c_through_the_tiles():
                                   f"alpha {alpha} beta {beta} {out_dtype}")
 
 
+@pytest.mark.skipif(not ({"amx", EMULATED_AMX} & set(BF16_UNITS)), reason="needs AMX, real or emulated")
+def test_amx_prefetches_change_no_result():
+    """prefetch_a/b (tiles K blocks ahead) and prefetch_c (C's lines as the call starts, fp32
+    or bf16, read or only written) on and off: the same results against float64, K over
+    several panels and ragged edges."""
+    rng = random.Random(37)
+    with backend("amx" if "amx" in BF16_UNITS else EMULATED_AMX):
+        for threads, a_outer, pf in ((1, False, dict(prefetch_a=1, prefetch_b=2, prefetch_c=True)),
+                                     (2, True, dict(prefetch_a=2, prefetch_b=1, prefetch_c=False))):
+            p = bf16_params("amx", threads, kc=64, mc=64, nc=96, a_outer=a_outer, **pf)
+            for layout in ("NT", "TN"):
+                m, k, n = 64 + 7, 64 * 2 + 33, 96 + 5
+                a, b = operands(layout, m, k, n, rng)
+                for beta, out_dtype in ((0.0, torch.float32), (1.0, torch.float32), (0.5, torch.bfloat16)):
+                    run_and_check(a, b, torch.randn(m, n).to(out_dtype), 1.0, beta, p,
+                                  f"{pf} t{threads} {layout} beta {beta} {out_dtype}")
+
+
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 @pytest.mark.parametrize("name", ["avx512bf16", "amx", "amx-emulated", "avx2", "portable"])
 def test_every_bf16_backend_compiles_standalone(name, tmp_path):
@@ -275,7 +293,9 @@ def test_every_bf16_backend_compiles_standalone(name, tmp_path):
     an error: AMX and AVX512_BF16 included on CPUs that cannot run them, and the AMX kernel
     with its tiles emulated (the tests' build of it)."""
     isa, emulated = name.removesuffix("-emulated"), name.endswith("-emulated")
-    variants = [(1, False, {}), (2, True, {})] + ([(2, True, {"c_tiles": True})] if isa == "amx" else [])
+    variants = [(1, False, {}), (2, True, {})] + ([(2, True, {"c_tiles": True}),
+                                                  (1, False, {"prefetch_a": 1, "prefetch_b": 2})]
+                                                 if isa == "amx" else [])
     for threads, a_outer, more in variants:
         p = bf16_params(isa, threads, a_outer=a_outer, **more)
         c = tmp_path / f"{isa}{threads}.c"
