@@ -199,7 +199,7 @@ def _race(t: Tuning) -> None:
         times = timing.interleaved(runs, samples=SAMPLES, warmup=1, max_seconds=budget_s())
         kept, times = pipeline.pick_confirmed(
             times, "default", lambda names: timing.interleaved({k: runs[k] for k in names}, samples=SAMPLES,
-                                                               max_seconds=budget_s()))
+                                                               warmup=1, max_seconds=budget_s()))
     finally:
         _busy.on = False
     gf = {k: t.problem.flops / v.median / 1e9 for k, v in times.items()}
