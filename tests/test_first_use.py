@@ -191,3 +191,29 @@ def test_first_use_races_the_other_thread_geometry(monkeypatch, own):
     geos = {(p.jc_ways, p.ic_ways, p.jr_ways, p.depth) for p in first_use._candidates("avx2", default)}
     # with the panel ring of that geometry: double where the ways share panels, else single
     assert ((1, 2, 1, 2) if own else (2, 1, 1, 1)) in geos
+
+
+@pytest.mark.parametrize("wins_again", [False, True])
+def test_a_candidate_that_wins_the_race_must_win_a_second_one(fresh, monkeypatch, wins_again):
+    """The race's winner over the default runs a second race of the two: it is recorded only if
+    it wins that one too, with that race's figures (the first race's would be biased fast)."""
+    from autohc.bench.timing import Timing
+    races = []
+
+    def fake_interleaved(runs, **kw):
+        races.append(sorted(runs))
+        if len(races) == 1:     # the first race: candidate 0 clearly ahead
+            return {k: Timing(0.5 if k == "candidate 0" else 1.0, 0.01) for k in runs}
+        return {k: Timing(1.0 if k == "default" else (0.8 if wins_again else 0.999), 0.01) for k in runs}
+    monkeypatch.setattr(first_use.timing, "interleaved", fake_interleaved)
+    first_use.enable()
+    threads = 1
+    key = GEMM.problem_key("NT", 384, 1152, 512, threads)
+    t = first_use.finish("NT", 512, 384, 1152, threads)
+    assert t is first_use.tunings()[key] and t.state == "done", t.note
+    assert len(races) == 2 and races[1] == ["candidate 0", "default"]
+    hit = registry.lookup("gemm", "NT", 384, 1152, 512, threads, exact=True)[1]
+    flops = 2 * 512 * 384 * 1152
+    assert hit["default_kept"] is (not wins_again)
+    assert hit["default_gflops"] == round(flops / 1.0 / 1e9, 2)          # the second race's
+    assert (t.chosen == t.default) is (not wins_again)
