@@ -172,7 +172,8 @@ def cmd_bench_gemm(args) -> int:
 
 
 def _skinny_words(unit) -> str:
-    return {"dot": "vdpbf16ps", "fma": "fp32 FMAs, bf16 widened"}.get(unit, "the packed path")
+    from ..kernels.gemm.kernel import SKINNY_UNIT_WORDS
+    return SKINNY_UNIT_WORDS.get(unit, "the packed path")
 
 
 def _bf16_table(r: dict):

@@ -99,12 +99,12 @@ def _bf16_line(d: dict) -> str:
 
 
 def _skinny_line(unit: str | None) -> str:
-    if unit == "dot":
-        return "M <= 16 (adaLN) on vdpbf16ps (a probe found it at least 2/3 of the fp32 FMA rate here)"
-    if unit == "fma":
-        return ("M <= 16 (adaLN) on fp32 FMAs, bf16 widened (a probe found vdpbf16ps under 2/3 "
-                "of the FMA rate here)")
-    return "none (no bf16 back-end)"
+    from ..kernels.gemm.kernel import SKINNY_UNIT_WORDS
+    why = {"dot": "a probe found it at least 2/3 of the fp32 FMA rate here",
+           "fma": "a probe found vdpbf16ps under 2/3 of the FMA rate here"}
+    if unit not in why:
+        return "none (no bf16 back-end)"
+    return f"M <= 16 (adaLN) on {SKINNY_UNIT_WORDS[unit]} ({why[unit]})"
 
 
 def _first_use_entries(registry) -> list[str]:

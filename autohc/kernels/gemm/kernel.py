@@ -168,6 +168,10 @@ def default_kernel_params(threads: int, isa: str | None = None, dtype: str = "fp
     return default_params(isa, threads, clusters=team_nodes(threads), dtype=dtype)
 
 
+# what each bf16 skinny unit computes on, in the words `autohc info` and `bench gemm` print
+SKINNY_UNIT_WORDS = {"dot": "vdpbf16ps", "fma": "fp32 FMAs, bf16 widened"}
+
+
 def bf16_skinny_unit(isa: str, threads: int = 1) -> str | None:
     """What the bf16 skinny paths (M <= skinny_m: adaLN) of back-end `isa`'s default kernel
     run on here, "dot" or "fma" (the kernel's own probe); None for a back-end without them
