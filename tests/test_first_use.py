@@ -217,3 +217,45 @@ def test_a_candidate_that_wins_the_race_must_win_a_second_one(fresh, monkeypatch
     assert hit["default_kept"] is (not wins_again)
     assert hit["default_gflops"] == round(flops / 1.0 / 1e9, 2)          # the second race's
     assert (t.chosen == t.default) is (not wins_again)
+
+
+@pytest.mark.parametrize("wins_again", [False, True])
+def test_bf16_skinny_problems_race_the_other_unit(fresh, monkeypatch, wins_again):
+    """A bf16 adaLN-like problem (NT, M = 8 <= skinny_m) races the skinny paths' other unit
+    (fp32 FMAs where the probe picked vdpbf16ps, and the reverse) against the default, and
+    keeps it only after two wins; where this CPU has no bf16 back-end (the widened fallback
+    has no skinny paths) it is not tuned."""
+    import dataclasses
+    from autohc.bench.timing import Timing
+    from autohc.kernels.gemm.kernel import default_kernel_params, get_kernel
+    from autohc.kernels.isa import BF16_ISAS
+    threads = 1
+    default = default_kernel_params(threads, dtype="bf16")
+    first_use.enable()
+    races = []
+
+    def fake_interleaved(runs, **kw):
+        races.append(sorted(runs))
+        if len(races) == 1:
+            return {k: Timing(0.5 if k == "candidate 0" else 1.0, 0.01) for k in runs}
+        return {k: Timing(1.0 if k == "default" else (0.8 if wins_again else 0.999), 0.01) for k in runs}
+    monkeypatch.setattr(first_use.timing, "interleaved", fake_interleaved)
+    t = first_use.finish("NT", 8, 1152, 2304, threads, "bf16")
+    if default.isa not in BF16_ISAS or not default.skinny_m:
+        assert t.state == "skipped" and not races
+        return
+    picked = get_kernel(default).skinny_unit()
+    other = {"dot": "fma", "fma": "dot"}[picked]
+    assert t.state == "done", t.note
+    assert t.candidates == [dataclasses.replace(default, skinny_unit=other)]
+    assert len(races) == 2 and races[0] == ["candidate 0", "default"]
+    assert t.chosen.skinny_unit == (other if wins_again else "auto")
+    hit = registry.lookup("gemm", "NT", 1152, 2304, 8, threads, exact=True, dtype="bf16")
+    assert hit is not None and hit[0] == t.chosen and hit[1]["default_kept"] is (not wins_again)
+    # the product is right on the unit recorded (a registry hit from here on)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(8, 1152, generator=g).bfloat16()
+    w = torch.randn(2304, 1152, generator=g).bfloat16()
+    assert _close(matmul(x, w.t(), out=torch.empty(8, 2304), threads=threads), x, w.t())
+    # fp32 and TN (K = batch: no skinny path) are still not tuned
+    assert first_use.finish("TN", 8, 1152, 2304, threads, "bf16").state == "skipped"

@@ -38,12 +38,14 @@ from ..kernels.gemm import matmul as gemm_matmul
 from ..kernels.gemm.family import GEMM
 from ..kernels.gemm.kernel import KernelError, default_kernel_params, get_kernel, team_nodes
 from ..kernels.gemm.params import GemmParams, ParamError, panel_ring_depth, thread_geometry
+from ..kernels.isa import BF16_ISAS
 from ..kernels.gemm.problem import GemmProblem
 from ..runtime.settings import non_negative_int
 from . import pipeline, registry
 from .verify import GemmVerifier, WrongResult
 
 MIN_FLOPS = 2e8         # smaller problems: a race would cost more than it could ever win back
+MIN_SKINNY_FLOPS = 1e7  # the skinny race holds one candidate, built in a second (DiT-S/2 adaLN: 1.4e7)
 SAMPLES = 5
 
 
@@ -166,11 +168,30 @@ def _race_if_ready(t: Tuning) -> None:
         t.state, t.note = "failed", f"{t.note}{type(e).__name__}: {e}"
 
 
+def _skinny_candidates(problem: GemmProblem, default: GemmParams) -> list[GemmParams]:
+    """A bf16 problem on the skinny paths (NT and NN with M <= skinny_m: adaLN, M = batch) has
+    one choice, the unit they run on: vdpbf16ps or fp32 FMAs on bf16 widened. The kernel's
+    probe picks by the two instructions' throughput ("auto"); the race times the other unit on
+    the problem itself, since the paths also stream all of W (an Intel Xeon model 207, where
+    the probe picked vdpbf16ps, ran adaLN NT at 0.71x oneDNN). Else []."""
+    if (default.dtype != "bf16" or default.isa not in BF16_ISAS or default.skinny_unit != "auto"
+            or problem.layout not in ("NT", "NN") or not 0 < problem.M <= default.skinny_m
+            or problem.flops < MIN_SKINNY_FLOPS):
+        return []
+    try:
+        picked = get_kernel(default).skinny_unit()
+    except (BuildError, KernelError):
+        return []
+    other = {"dot": "fma", "fma": "dot"}.get(picked)
+    return [dataclasses.replace(default, skinny_unit=other).validate()] if other else []
+
+
 def _start(layout: str, M: int, K: int, N: int, threads: int, dtype: str) -> Tuning:
     default = default_kernel_params(threads, dtype=dtype)
     problem = GemmProblem("first-use", layout, M, K, N)
-    t = Tuning(problem, threads, default, _candidates(default.isa, default))
-    if problem.flops < MIN_FLOPS or min(M, N) <= default.skinny_m or not t.candidates:
+    skinny = _skinny_candidates(problem, default)
+    t = Tuning(problem, threads, default, skinny or _candidates(default.isa, default))
+    if not skinny and (problem.flops < MIN_FLOPS or min(M, N) <= default.skinny_m or not t.candidates):
         t.state, t.note = "skipped", "too small to gain from tuning" if t.candidates else "no candidates"
         return t
     t.thread = threading.Thread(target=_build, args=(t,), name="autohc-first-use-build", daemon=True)
