@@ -38,8 +38,8 @@ from ..kernels.gemm import matmul as gemm_matmul
 from ..kernels.gemm.family import GEMM
 from ..kernels.gemm.kernel import KernelError, default_kernel_params, get_kernel, team_nodes
 from ..kernels.gemm.params import GemmParams, ParamError, panel_ring_depth, thread_geometry
-from ..kernels.isa import BF16_ISAS
 from ..kernels.gemm.problem import GemmProblem
+from ..kernels.isa import BF16_ISAS
 from ..runtime.settings import non_negative_int
 from . import pipeline, registry
 from .verify import GemmVerifier, WrongResult
