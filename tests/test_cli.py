@@ -164,3 +164,36 @@ def test_perf_gate_remeasures_a_suspect_until_it_recovers_or_runs_out(tmp_path, 
     assert ok and calls == [3, 5, 5]
     ok, calls = run([1.0] * 10)                          # low every time: a regression
     assert not ok and len(calls) == 1 + gate.RECHECKS
+
+
+def test_gemm_benches_drop_what_slows_their_baseline_blas():
+    """`bench gemm` / `bench gate` re-execute without OPENBLAS_CORETYPE (a forced core type made
+    OpenBLAS run Haswell's AVX2 kernels on an AVX-512 Zen 5, half its speed) and with passive
+    thread pools, and name what they dropped for the saved result; the other benches keep the
+    variable; nothing to change: no re-exec."""
+    from autohc.cli import PASSIVE_ENV, bench_environment
+    env, dropped = bench_environment({"OPENBLAS_CORETYPE": "Haswell", "PATH": "/bin"}, "gemm", False)
+    assert dropped == ["OPENBLAS_CORETYPE=Haswell"]
+    assert "OPENBLAS_CORETYPE" not in env and env["PATH"] == "/bin"
+    assert env["AUTOHC_BENCH_DROPPED_ENV"] == "OPENBLAS_CORETYPE=Haswell"
+    assert all(env[k] == v for k, v in PASSIVE_ENV.items())
+    env, dropped = bench_environment({"OPENBLAS_CORETYPE": "Haswell"}, "gate", True)   # --contended
+    assert dropped and "OPENBLAS_CORETYPE" not in env and "OMP_WAIT_POLICY" not in env
+    assert bench_environment({"OPENBLAS_CORETYPE": "Haswell"}, "step", True) == (None, [])
+    assert bench_environment(dict(PASSIVE_ENV), "gemm", False) == (None, [])
+
+
+def test_bench_gemm_runs_numpy_on_openblas_own_kernels(tmp_path):
+    """From the command line, with OPENBLAS_CORETYPE set: a note on stderr, the result names
+    numpy's BLAS without the forced core type and keeps what was dropped with a saved result."""
+    env = {**os.environ, "OPENBLAS_CORETYPE": "Prescott"}
+    r = subprocess.run([sys.executable, "-m", "autohc.cli", "bench", "gemm", "--model", "dit-s",
+                        "--images", "1", "--repeats", "3", "--json", "--no-first-use-tuning",
+                        "--save", str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "OPENBLAS_CORETYPE=Prescott not passed on" in r.stderr
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "Prescott" not in res["numpy_blas"]
+    saved = json.loads(next(tmp_path.rglob("*.json")).read_text())
+    assert saved["env"]["AUTOHC_BENCH_DROPPED_ENV"] == "OPENBLAS_CORETYPE=Prescott"
+    assert "OPENBLAS_CORETYPE" not in saved["env"]

@@ -122,6 +122,16 @@ def geomean(xs) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
+def numpy_blas() -> str:
+    """numpy's BLAS and the kernels it runs, as threadpoolctl reads them ("openblas
+    SkylakeX"): a forced core type (OPENBLAS_CORETYPE) shows here."""
+    from threadpoolctl import threadpool_info
+    for i in threadpool_info():
+        if i.get("user_api") == "blas" and "numpy" in (i.get("filepath") or "") + (i.get("prefix") or ""):
+            return " ".join(str(x) for x in (i.get("internal_api"), i.get("architecture")) if x)
+    return "unknown"
+
+
 def bench_gemm(model: str = "dit-xl", threads: int = 1, *, repeats: int = 7, progress=None,
                images: int = 8, first_use_tuning: bool = True, dtype: str = "fp32") -> dict:
     """All DiT training GEMMs of `model` at `threads`; the JSON object of `autohc bench gemm`.
@@ -155,7 +165,7 @@ def bench_gemm(model: str = "dit-xl", threads: int = 1, *, repeats: int = 7, pro
     return {
         "model": model, "threads": threads, "isa": isa, "cpu": cpu.detect().model,
         "fingerprint": cpu.detect().fingerprint, "peak_gflops_per_core": round(peak, 1),
-        "torch_version": torch.__version__, "numpy_version": np.__version__,
+        "torch_version": torch.__version__, "numpy_version": np.__version__, "numpy_blas": numpy_blas(),
         "rows": [asdict(r) for r in rows],
         "geomean_speedup_vs_torch": round(geomean(r.speedup_vs_torch for r in rows), 3),
         "geomean_speedup_vs_numpy": round(geomean(r.speedup_vs_numpy for r in rows), 3),

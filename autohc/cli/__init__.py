@@ -18,6 +18,27 @@ from .argtypes import non_negative_int, positive_int
 # ~2^28 cycles; interleaved with another library's threads they steal the cores. A fair
 # side-by-side benchmark makes every pool wait passively (read by the libraries at load).
 PASSIVE_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "OPENBLAS_THREAD_TIMEOUT": "4"}
+# variables that make a library the GEMM benches compare against slower than this CPU allows,
+# not passed on to them: OPENBLAS_CORETYPE forces OpenBLAS's kernels for another CPU (Haswell's
+# AVX2 on an AVX-512 Zen 5 ran numpy's fp32 GEMMs at 250 GFLOP/s on 2 threads against 485 with
+# OpenBLAS's own choice); the fp32 baseline must be the best BLAS this CPU runs. What was
+# dropped is kept with a saved result (AUTOHC_BENCH_DROPPED_ENV).
+BASELINE_DROPPED_ENV = ("OPENBLAS_CORETYPE",)
+
+
+def bench_environment(environ: dict, what: str, contended: bool) -> tuple[dict | None, list[str]]:
+    """The environment `autohc bench <what>` re-executes itself in (None: run as it is), and
+    what it dropped, as NAME=value: every thread pool passive (gemm, gate: unless contended)
+    and, for the GEMM benches, no variable that slows their baseline libraries."""
+    missing = {} if contended else {k: v for k, v in PASSIVE_ENV.items() if environ.get(k) != v}
+    dropped = ([f"{k}={environ[k]}" for k in BASELINE_DROPPED_ENV if k in environ]
+               if what in ("gemm", "gate") else [])
+    if not missing and not dropped:
+        return None, []
+    env = {k: v for k, v in environ.items() if not (dropped and k in BASELINE_DROPPED_ENV)}
+    if dropped:
+        env["AUTOHC_BENCH_DROPPED_ENV"] = ",".join(dropped)
+    return {**env, **missing}, dropped
 
 EPILOG = """examples:
   autohc tune --shape 1152x4608 --layout NT --threads 1
@@ -304,14 +325,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(words)             # the command line, kept with a result saved by --save
-    if args.command == "bench" and not getattr(args, "contended", True):
-        missing = {k: v for k, v in PASSIVE_ENV.items() if os.environ.get(k) != v}
-        if missing and argv is None:    # the thread libraries read these at load: re-exec
-            os.execve(sys.executable, [sys.executable, "-m", "autohc.cli", *sys.argv[1:]],
-                      {**os.environ, **missing})
-        elif missing:
-            print("autohc: note: run from the command line for passive thread pools",
-                  file=sys.stderr)
+    if args.command == "bench":
+        env, dropped = bench_environment(dict(os.environ), args.what, getattr(args, "contended", True))
+        if dropped:
+            print(f"autohc: note: {', '.join(dropped)} not passed on to the libraries timed: "
+                  "the fp32 baseline is the best BLAS this CPU runs", file=sys.stderr)
+        if env is not None and argv is None:    # the libraries read these at load: re-exec
+            os.execve(sys.executable, [sys.executable, "-m", "autohc.cli", *sys.argv[1:]], env)
+        elif env is not None:
+            print("autohc: note: run from the command line for passive thread pools and the "
+                  "baseline libraries' own kernels", file=sys.stderr)
     try:
         if args.command == "info":
             return kernels.cmd_info(args)
