@@ -193,19 +193,26 @@ def test_first_use_races_the_other_thread_geometry(monkeypatch, own):
     assert ((1, 2, 1, 2) if own else (2, 1, 1, 1)) in geos
 
 
-@pytest.mark.parametrize("wins_again", [False, True])
-def test_a_candidate_that_wins_the_race_must_win_a_second_one(fresh, monkeypatch, wins_again):
-    """The race's winner over the default runs a second race of the two: it is recorded only if
-    it wins that one too, with that race's figures (the first race's would be biased fast)."""
+def _two_races(monkeypatch, wins_again: bool) -> list:
+    """first_use's races faked: in the first, candidate 0 clearly ahead of the default; in the
+    second (the confirmation), ahead again or not. Returns the list of each race's runs."""
     from autohc.bench.timing import Timing
     races = []
 
     def fake_interleaved(runs, **kw):
         races.append(sorted(runs))
-        if len(races) == 1:     # the first race: candidate 0 clearly ahead
+        if len(races) == 1:
             return {k: Timing(0.5 if k == "candidate 0" else 1.0, 0.01) for k in runs}
         return {k: Timing(1.0 if k == "default" else (0.8 if wins_again else 0.999), 0.01) for k in runs}
     monkeypatch.setattr(first_use.timing, "interleaved", fake_interleaved)
+    return races
+
+
+@pytest.mark.parametrize("wins_again", [False, True])
+def test_a_candidate_that_wins_the_race_must_win_a_second_one(fresh, monkeypatch, wins_again):
+    """The race's winner over the default runs a second race of the two: it is recorded only if
+    it wins that one too, with that race's figures (the first race's would be biased fast)."""
+    races = _two_races(monkeypatch, wins_again)
     first_use.enable()
     threads = 1
     key = GEMM.problem_key("NT", 384, 1152, 512, threads)
@@ -226,20 +233,12 @@ def test_bf16_skinny_problems_race_the_other_unit(fresh, monkeypatch, wins_again
     keeps it only after two wins; where this CPU has no bf16 back-end (the widened fallback
     has no skinny paths) it is not tuned."""
     import dataclasses
-    from autohc.bench.timing import Timing
     from autohc.kernels.gemm.kernel import default_kernel_params, get_kernel
     from autohc.kernels.isa import BF16_ISAS
     threads = 1
     default = default_kernel_params(threads, dtype="bf16")
     first_use.enable()
-    races = []
-
-    def fake_interleaved(runs, **kw):
-        races.append(sorted(runs))
-        if len(races) == 1:
-            return {k: Timing(0.5 if k == "candidate 0" else 1.0, 0.01) for k in runs}
-        return {k: Timing(1.0 if k == "default" else (0.8 if wins_again else 0.999), 0.01) for k in runs}
-    monkeypatch.setattr(first_use.timing, "interleaved", fake_interleaved)
+    races = _two_races(monkeypatch, wins_again)
     t = first_use.finish("NT", 8, 1152, 2304, threads, "bf16")
     if default.isa not in BF16_ISAS or not default.skinny_m:
         assert t.state == "skipped" and not races
