@@ -197,3 +197,38 @@ def test_bench_gemm_runs_numpy_on_openblas_own_kernels(tmp_path):
     saved = json.loads(next(tmp_path.rglob("*.json")).read_text())
     assert saved["env"]["AUTOHC_BENCH_DROPPED_ENV"] == "OPENBLAS_CORETYPE=Prescott"
     assert "OPENBLAS_CORETYPE" not in saved["env"]
+
+
+@pytest.mark.parametrize("args", [
+    ["export", "--out", "{file}/generated"],
+    ["export", "--out", "{file}"],
+    ["report", "--out", "{file}"],
+    ["train", "--data", "digits", "--steps", "2", "--out", "{file}/run"],
+    ["sample", "--ckpt", "nonexistent.pt", "--out", "{file}/s.png"],
+    ["sample", "--ckpt", "nonexistent.pt", "--out", "{dir}"],
+    ["encode", "--data", "folder:{dir}", "--vae", "none", "--out", "{file}"],
+    ["bench", "gemm", "--model", "dit-s", "--images", "1", "--save", "{file}/results"],
+])
+def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(args, tmp_path):
+    """A --out / --save under a file, or of the wrong kind, is one line at parse time: exit 2,
+    nothing written (the file is untouched, no folder made)."""
+    blocker = tmp_path / "blocker"
+    blocker.write_text("x")
+    r = autohc(*[a.format(file=blocker, dir=tmp_path) for a in args])
+    assert r.returncode == 2, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stdout == ""
+    assert blocker.read_text() == "x" and sorted(p.name for p in tmp_path.iterdir()) == ["blocker"]
+
+
+def test_a_folder_the_system_refuses_is_one_line():
+    """What the checks cannot see (here /proc, where nothing can be made) fails in one line too;
+    bench --save makes its folder before timing anything, so no bench runs for nothing."""
+    where = "/proc/autohc-cannot-be-here"     # (not root: refused at parse time, exit 2)
+    for args in (["export", "--out", where],
+                 ["bench", "gemm", "--model", "dit-s", "--images", "1", "--save", where]):
+        r = autohc(*args)
+        lines = [ln for ln in r.stderr.strip().splitlines() if not ln.startswith("autohc: note:")]
+        assert r.returncode in (1, 2) and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+        assert where in lines[0] and r.stdout == ""
+    assert not os.path.exists(where)

@@ -123,8 +123,14 @@ def recorder(bench: str, args) -> Recorder | None:
     folder = getattr(args, "save", None)
     if folder is None:
         return None
+    from ..hw import cpu
     from ..tune import registry
     argv = list(getattr(args, "argv", None) or [])
+    mine = Path(folder) / cpu.detect().fingerprint
+    try:                            # where save() writes, made now: an error before the run,
+        mine.mkdir(parents=True, exist_ok=True)     # not after it
+    except OSError as e:
+        raise ValueError(f"--save {folder}: cannot make {str(mine)!r} ({e.strerror})") from None
     return Recorder(bench, argv, Path(folder), len(registry.entries_for_this_cpu()))
 
 
@@ -150,7 +156,8 @@ def load(folder: Path | str = DEFAULT_DIR) -> list[dict]:
 
 def add_save_argument(p) -> None:
     """--save [DIR] of a command whose JSON can be kept as a result."""
-    p.add_argument("--save", nargs="?", const=DEFAULT_DIR, default=None, metavar="DIR",
+    from ..cli.argtypes import output_dir
+    p.add_argument("--save", nargs="?", const=DEFAULT_DIR, default=None, metavar="DIR", type=output_dir,
                    help=f"also save the result as JSON under DIR/<cpu fingerprint>/ with the CPU, "
                         f"code version and command (default DIR: {DEFAULT_DIR}/); "
                         f"`autohc report --results` renders the docs' tables from these files")

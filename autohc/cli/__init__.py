@@ -12,7 +12,7 @@ import sys
 
 from . import bench, kernels, tune
 from ..bench.results import add_save_argument
-from .argtypes import non_negative_int, positive_int
+from .argtypes import non_negative_int, output_dir, positive_int
 
 # torch's libgomp threads spin for milliseconds after each parallel region and OpenBLAS's for
 # ~2^28 cycles; interleaved with another library's threads they steal the cores. A fair
@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "the default ones), one header and manifest.json (problem, "
                                      "params, cflags, sha256, GFLOP/s, CPU), for a C/C++ build "
                                      "that calls the kernels without Python.")
-    exp.add_argument("--out", default="generated", help="output folder (default: generated/)")
+    exp.add_argument("--out", default="generated", type=output_dir, help="output folder (default: generated/)")
     exp.add_argument("--no-defaults", action="store_true", help="only tuned kernels")
 
     rep = sub.add_parser("report", help="PNG plots: tuning convergence, roofline of tuned kernels; "
@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
                          formatter_class=argparse.RawDescriptionHelpFormatter,
                          epilog="examples:\n  autohc report --out report/\n"
                                 "  autohc report --results            # results/ -> docs/results.md, README.md")
-    rep.add_argument("--out", default="report", help="output folder (default: report/)")
+    rep.add_argument("--out", default="report", type=output_dir, help="output folder (default: report/)")
     rep.add_argument("--results", nargs="?", const="results", default=None, metavar="DIR",
                      help="instead of the plots: render the per-CPU results tables from the files "
                           "`--save` wrote under DIR (default: results/) into --page and the "
@@ -369,6 +369,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("autohc: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:                # a file or folder the system refused: one line
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"autohc: {where}{e.strerror or e}", file=sys.stderr)
+        return 1
     except Exception as e:  # noqa: BLE001 - one clear line, not a traceback, for known errors
         from ..build import BuildError
         from ..build.cache import CacheDirError

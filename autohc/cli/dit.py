@@ -9,7 +9,8 @@ from pathlib import Path
 
 from ..bench.results import add_save_argument, recorder
 from ..dit.model import MODELS
-from .argtypes import non_negative_int, positive_float, positive_int, unit_interval
+from .argtypes import (non_negative_int, output_dir, output_file, positive_float, positive_int,
+                       unit_interval)
 
 # bench/step.py's MODES, spelled here so that parsing the command line does not import torch
 # (autohc train sets torch's OpenMP spin before torch loads); a test keeps the two equal
@@ -83,7 +84,7 @@ def add_parsers(sub, bsub) -> None:
     t.add_argument("--steps", type=positive_int, default=2000, help="train until this step (default: 2000)")
     t.add_argument("--batch", type=positive_int, default=64,
                    help="images per step, all ranks together (default: 64)")
-    t.add_argument("--out", default="runs/dit", help="run folder (default: runs/dit)")
+    t.add_argument("--out", default="runs/dit", type=output_dir, help="run folder (default: runs/dit)")
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
     t.add_argument("--no-autohc", action="store_true", help="stock torch kernels and torch.optim.AdamW")
     t.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "auto"],
@@ -140,7 +141,7 @@ def add_parsers(sub, bsub) -> None:
     s.add_argument("--ckpt", required=True, help="checkpoint file, or a run folder (its newest)")
     s.add_argument("--classes", type=int, nargs="+", default=None, help="classes (default: the first 10)")
     s.add_argument("--per-class", type=positive_int, default=8, help="samples per class (default: 8)")
-    s.add_argument("--out", default="samples.png", help="PNG path (default: samples.png)")
+    s.add_argument("--out", default="samples.png", type=output_file, help="PNG path (default: samples.png)")
     s.add_argument("--seed", type=int, default=0, help="noise seed (default: 0)")
     s.add_argument("--raw", action="store_true", help="the raw model weights instead of the EMA")
     s.add_argument("--no-autohc", action="store_true", help="stock torch kernels")
@@ -170,7 +171,7 @@ def add_parsers(sub, bsub) -> None:
                               "  autohc train --data digits --steps 2000 --out runs/digits-bf16 --precision bf16\n"
                               "  autohc compare runs/digits runs/digits-bf16")
     c.add_argument("runs", nargs="+", metavar="RUN", help="run folders (or checkpoint files); the first is the baseline")
-    c.add_argument("--out", default=None, help="plot path (default: compare.png in the last run's folder)")
+    c.add_argument("--out", default=None, type=output_file, help="plot path (default: compare.png in the last run's folder)")
     _eval_args(c)
     add_save_argument(c)
 

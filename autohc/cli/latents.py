@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from .argtypes import positive_int
+from .argtypes import output_dir, positive_int
 
 ENCODE_EPILOG = """examples:
   autohc encode --data folder:imgs/ --vae stabilityai/sd-vae-ft-ema --image-size 256 --out latents/
@@ -39,7 +39,7 @@ def add_parsers(sub) -> None:
     e.add_argument("--data", required=True, metavar="folder:PATH",
                    help="the images: one subfolder per class (its name is the class name)")
     e.add_argument("--vae", required=True, metavar="PATH_OR_ID", help="a diffusers AutoencoderKL")
-    e.add_argument("--out", required=True, metavar="DIR", help="the latent data set's folder")
+    e.add_argument("--out", required=True, metavar="DIR", type=output_dir, help="the latent data set's folder")
     e.add_argument("--image-size", type=positive_int, default=None,
                    help="center-crop and resize every image to N x N (default: the images' own "
                         "size, which must then be one square size)")
