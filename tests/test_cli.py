@@ -232,3 +232,17 @@ def test_a_folder_the_system_refuses_is_one_line():
         assert r.returncode in (1, 2) and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
         assert where in lines[0] and r.stdout == ""
     assert not os.path.exists(where)
+
+
+def test_threads_beyond_the_usable_cpus_get_a_note(tmp_path):
+    from autohc.cli import oversubscription_note
+    assert oversubscription_note(None, 2) is None
+    assert oversubscription_note(2, 2) is None and oversubscription_note([1, 2], 2) is None
+    assert oversubscription_note([1, 2, 4], 2).startswith("autohc: note: 4 threads on 2 usable CPUs")
+    assert oversubscription_note(3, 1).startswith("autohc: note: 3 threads on 1 usable CPU:")
+    r = subprocess.run([sys.executable, "-m", "autohc.cli", "tune", "--shape", "16x16", "--m", "16",
+                        "--layout", "NT", "--trials", "1", "--threads", str(len(os.sched_getaffinity(0)) + 1)],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "AUTOHC_CACHE_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.splitlines()[0].startswith("autohc: note: ") and "usable CPU" in r.stderr

@@ -26,6 +26,18 @@ PASSIVE_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "OPENBLAS_THREAD_TIMEOUT": "4"}
 BASELINE_DROPPED_ENV = ("OPENBLAS_CORETYPE",)
 
 
+def oversubscription_note(threads, usable: int) -> str | None:
+    """The note for --threads beyond the CPUs this process may use (`threads`: an int, a list
+    of them or None): the threads then take turns on the cores, and a time or a tuning
+    decision measured so says little about either count."""
+    asked = [t for t in (threads if isinstance(threads, list) else [threads]) if isinstance(t, int)]
+    over = [t for t in asked if t > usable]
+    if not over:
+        return None
+    return (f"autohc: note: {max(over)} threads on {usable} usable CPU{'s' if usable > 1 else ''}: "
+            "they take turns on the cores, so what is timed here says little about either count")
+
+
 def bench_environment(environ: dict, what: str, contended: bool) -> tuple[dict | None, list[str]]:
     """The environment `autohc bench <what>` re-executes itself in (None: run as it is), and
     what it dropped, as NAME=value: every thread pool passive (gemm, gate: unless contended)
@@ -335,6 +347,11 @@ def main(argv: list[str] | None = None) -> int:
         elif env is not None:
             print("autohc: note: run from the command line for passive thread pools and the "
                   "baseline libraries' own kernels", file=sys.stderr)
+    if args.command in ("bench", "tune", "train"):
+        from ..hw import cpu
+        note = oversubscription_note(getattr(args, "threads", None), cpu.detect().cores)
+        if note:
+            print(note, file=sys.stderr)
     try:
         if args.command == "info":
             return kernels.cmd_info(args)
