@@ -411,6 +411,12 @@ def test_bench_step_stock_vs_autohc():
     tokens, hidden, depth = 2 * 4, 192, 12
     assert r["step_gflop"] * 1e9 >= 3 * 2 * 12 * hidden ** 2 * tokens * depth
     assert 0 < r["pct_peak"]["autohc"] < 100 and r["gflops"]["stock"] > 0
+    assert r["copy_gbps"]["before"] > 0 and r["copy_gbps"]["after"] > 0   # the machine's state
+    # each mode's % of peak against the probes around its own steps (interleaved here: one pair)
+    peaks = r["peak_gflops_by_mode"]
+    assert set(peaks) == {"stock", "autohc"} and peaks["stock"] == peaks["autohc"] == r["peak_gflops"]
+    for m, t in r["step_s"].items():
+        assert abs(r["pct_peak"][m] - 100 * r["step_gflop"] / t / peaks[m]) < 0.06
 
 
 def test_profile_classes_count_a_custom_ops_forward_in_its_autograd_node():

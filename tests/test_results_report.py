@@ -198,3 +198,22 @@ def test_summaries_of_the_other_benches(bench, result, shown):
     r = {"bench": bench, "result": result}
     [(what, figure)] = results_md.summaries(r)
     assert shown in figure and result["model"] in what
+
+
+def test_a_step_result_shows_the_copy_bandwidth_it_ran_beside():
+    """bench step's details name one thread's copy bandwidth before and after the steps (the
+    machine's state then); results saved before it was recorded render as they did."""
+    res = {"step_gflop": 290.65, "peak_gflops": 550.0, "timed_steps": 8, "max_loss_rel_diff": 0.0,
+           "peak_rss_gb": 4.4, "step_s": {"stock": 1.6, "autohc": 0.74},
+           "gflops": {"stock": 181.7, "autohc": 392.8}, "pct_peak": {"stock": 33.0, "autohc": 71.4},
+           "spread_pct": {"stock": 1.0, "autohc": 2.0}}
+    r = {"bench": "step", "result": res, "command": "autohc bench step", "code_version": "abc1234",
+         "date": "2026-11-26", "torch": "2.13.0", "registry_entries_at_start": 0, "env": {}, "file": "x.json"}
+    assert not any("copy bandwidth" in line for line in results_md._details(r))
+    res["copy_gbps"] = {"before": 38.1, "after": 36.0}
+    [line] = [ln for ln in results_md._details(r) if "copy bandwidth" in ln]
+    assert "one thread's copy bandwidth 38.1 GB/s before the steps, 36.0 after:" in line
+    assert "FMA peak 550.0 GFLOP/s," in line        # one peak: as before
+    res["peak_gflops_by_mode"] = {"stock": 540.2, "autohc": 550.0}
+    [line] = [ln for ln in results_md._details(r) if "copy bandwidth" in ln]
+    assert "FMA peak 540.2-550.0 GFLOP/s probed around each mode's steps (autohc's 550.0)," in line

@@ -244,11 +244,17 @@ def _details(r: dict) -> list[str]:
                         f"| {_f(w['numpy_gflops'], 1)} | {_f(w['speedup_vs_torch'])} "
                         f"| {_f(w['speedup_vs_numpy'])} |" for w in g["rows"]]
     elif bench == "step":
+        peaks = sorted((res.get("peak_gflops_by_mode") or {}).values())
+        peak = (f"{res['peak_gflops']} GFLOP/s" if not peaks or peaks[-1] - peaks[0] < 1 else
+                f"{peaks[0]}-{peaks[-1]} GFLOP/s probed around each mode's steps (autohc's "
+                f"{res['peak_gflops']})")
         out += ["", f"{res['step_gflop']} GFLOP per step in GEMMs and attention, FMA peak "
-                    f"{res['peak_gflops']} GFLOP/s, median of {res['timed_steps']} steps; losses within "
+                    f"{peak}, median of {res['timed_steps']} steps; losses within "
                     f"{res['max_loss_rel_diff']:.1e} relative of stock; peak RSS {res['peak_rss_gb']:.2f} GB"
                 + (f"; first-use tuning {res['first_use_race_s']:.1f} s of races" if res.get("first_use_race_s")
-                   else "") + ":", "",
+                   else "")
+                + (f"; one thread's copy bandwidth {res['copy_gbps']['before']:.1f} GB/s before the steps, "
+                   f"{res['copy_gbps']['after']:.1f} after" if res.get("copy_gbps") else "") + ":", "",
                 "| mode | s/step | GFLOP/s | % of peak | spread |", "|---|--:|--:|--:|--:|"]
         out += [f"| {m} | {t:.3f} | {res['gflops'][m]:.1f} | {res['pct_peak'][m]:.1f} "
                 f"| {_f(res['spread_pct'].get(m), 1)} % |" for m, t in

@@ -3,8 +3,10 @@ eager, torch.compile (inductor), autohc, and autohc+compile (torch.compile under
 inductor's GEMMs and attention on autohc's kernels, its fused element-wise code for the rest),
 measured in one run. The model is the reference
 DiT as written (attention through F.scaled_dot_product_attention: torch's CPU flash kernel
-when stock); GFLOP/s and % of the machine's FMA peak (measured, times the threads) come from
-the step's operation count (torch's FlopCounterMode: GEMMs and attention).
+when stock); GFLOP/s and % of the machine's FMA peak come from the step's operation count
+(torch's FlopCounterMode: GEMMs and attention). The peak is one core's FMA probe times the
+threads, probed just before and just after each mode's steps (all modes' when interleaved),
+since a shared machine's clock moves with its host's load.
 
 Every mode starts from the same seed (weights, data, timesteps, noise, label dropout), so
 their losses step by step differ only by floating-point rounding; they are compared against
@@ -18,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import statistics
 import time
 
 import psutil
@@ -31,7 +34,7 @@ from ..dit.train import autohc_ops, build_model, make_optimizer, peak_rss_gb
 from ..torch import dispatch as override
 from ..tune import first_use
 from . import timing
-from .peak import fma_peak_gflops
+from .peak import fma_peak_gflops, memory_bandwidth_gbps
 
 
 MODES = ("stock", "compiled", "autohc", "autohc+compile",
@@ -223,11 +226,21 @@ def bench_step(model: str, batch: int, *, image_size: int = 32, steps: int = 10,
             override.install()
 
 
+def _probe_peak() -> float:
+    """The FMA peak of the threads now: one core's probe, taken afresh, times the threads. A
+    shared machine's clock moves with its host's load (a Zen 5 here probed 231-272 GFLOP/s per
+    core within one hour), so each mode's % of peak takes the probes around its own steps."""
+    return fma_peak_gflops.__wrapped__(cpu.best_isa()) * torch.get_num_threads()
+
+
 def _bench(model, batch, image_size, steps, warmup, modes, say, install_kw, profile=False) -> dict:
     if {"compiled", "autohc+compile"} & set(modes):
         import torch._inductor.config as ic
         ic.fallback_random = True       # inductor draws label dropout as eager does
     spent0 = first_use.spent()
+    # one thread's copy bandwidth before and after the steps: on a shared machine what a
+    # neighbour's memory traffic leaves, which the memory-bound parts of a step follow
+    copy_before = memory_bandwidth_gbps()
     D, depth = config(model).hidden, config(model).depth
     est = 16 * 18 * D * D * depth * len(modes)   # weights, grads, two moments per mode
     interleave = est < 0.4 * psutil.virtual_memory().total
@@ -236,24 +249,32 @@ def _bench(model, batch, image_size, steps, warmup, modes, say, install_kw, prof
     runs = []
     if interleave:
         runs = [_Mode(m, model, batch, image_size, install_kw=install_kw) for m in modes]
+        before = _probe_peak()
         for i in range(steps):
             for r in runs:
                 r.step()
             say(f"  step {i + 1}/{steps}: " + ", ".join(f"{r.name} {r.times[-1]:.2f} s" for r in runs))
+        after = _probe_peak()
+        for r in runs:
+            r.peak = (before + after) / 2
         for r in runs if profile else ():
             r.profile = profile_step(r)
     else:
         for m in modes:
             r = _Mode(m, model, batch, image_size, install_kw=install_kw)
+            before = _probe_peak()
             for i in range(steps):
                 r.step()
                 say(f"  {m} step {i + 1}/{steps}: {r.times[-1]:.2f} s")
+            r.peak = (before + _probe_peak()) / 2
             if profile:
                 r.profile = profile_step(r)
             runs.append(r)
             r.model = r.forward = r.opt = None      # free it before the next mode
+    copy_after = memory_bandwidth_gbps()
     flops = step_flops(model, batch, image_size)
-    peak = fma_peak_gflops(cpu.best_isa()) * torch.get_num_threads()
+    peaks = {r.name: r.peak for r in runs}
+    peak = peaks.get("autohc", statistics.median(peaks.values()))   # the figure shown beside the table
     summary = {r.name: timing.summarize(r.times[warmup:]) for r in runs}
     med = {name: t.median for name, t in summary.items()}
     losses = {r.name: r.losses for r in runs}
@@ -276,8 +297,10 @@ def _bench(model, batch, image_size, steps, warmup, modes, say, install_kw, prof
            "speedup_vs_compiled": med["compiled"] / med["autohc"] if {"compiled", "autohc"} <= med.keys() else None,
            "spread_pct": {name: t.spread_pct for name, t in summary.items()},
            "step_gflop": round(flops / 1e9, 2), "peak_gflops": round(peak, 1),
+           "peak_gflops_by_mode": {name: round(v, 1) for name, v in peaks.items()},
+           "copy_gbps": {"before": round(copy_before, 1), "after": round(copy_after, 1)},
            "gflops": {name: round(flops / t / 1e9, 1) for name, t in med.items()},
-           "pct_peak": {name: round(100 * flops / t / 1e9 / peak, 1) for name, t in med.items()},
+           "pct_peak": {name: round(100 * flops / t / 1e9 / peaks[name], 1) for name, t in med.items()},
            # the -bf16 modes against the CPU's bf16 peak too (dot products; tiles on AMX)
            "pct_bf16_peak": _pct_bf16_peak(flops, med),
            "first_use_race_s": round(first_use.spent()["race_s"] - spent0["race_s"], 2),

@@ -442,7 +442,10 @@ def cmd_bench_step(args) -> int:
         print(json.dumps(r, indent=2))
         return 0
     print(f"{r['model']} batch {r['batch']}, {r['threads']} threads, median of {r['timed_steps']} steps:")
-    print(f"  ({r['step_gflop']:.1f} GFLOP per step in GEMMs and attention; FMA peak {r['peak_gflops']:.0f} GFLOP/s)")
+    peaks = sorted((r.get("peak_gflops_by_mode") or {}).values()) or [r["peak_gflops"]]
+    shown = f"{peaks[0]:.0f}" if peaks[-1] - peaks[0] < 1 else f"{peaks[0]:.0f}-{peaks[-1]:.0f}"
+    print(f"  ({r['step_gflop']:.1f} GFLOP per step in GEMMs and attention; FMA peak {shown} GFLOP/s, "
+          "probed around each mode's steps)")
     for m in modes:
         bf16 = (r.get("pct_bf16_peak") or {}).get(m)
         print(f"  {m:20s} {r['step_s'][m]:.3f} s/step  {r['gflops'][m]:7.1f} GFLOP/s  "
@@ -462,6 +465,10 @@ def cmd_bench_step(args) -> int:
               f"{r['max_loss_rel_diff_bf16']:.2e}")
     print(f"  max relative loss difference vs stock over {args.steps} steps: {r['max_loss_rel_diff']:.2e}; "
           f"peak RSS {r['peak_rss_gb']:.2f} GB")
+    if r.get("copy_gbps"):
+        print(f"  one thread's copy bandwidth: {r['copy_gbps']['before']:.1f} GB/s before the steps, "
+              f"{r['copy_gbps']['after']:.1f} after (on a shared machine, what the neighbours' memory "
+              "traffic leaves)")
     if r.get("profile"):
         classes = list(next(iter(r["profile"].values()))["share"])
         print(f"  share of a profiled step: {'mode':15s}" + "".join(f"{c:>12s}" for c in classes))
