@@ -200,7 +200,6 @@ def test_bench_gemm_runs_numpy_on_openblas_own_kernels(tmp_path):
 
 
 @pytest.mark.parametrize("args", [
-    ["export", "--out", "{file}/generated"],
     ["export", "--out", "{file}"],
     ["report", "--out", "{file}"],
     ["train", "--data", "digits", "--steps", "2", "--out", "{file}/run"],
@@ -209,15 +208,28 @@ def test_bench_gemm_runs_numpy_on_openblas_own_kernels(tmp_path):
     ["encode", "--data", "folder:{dir}", "--vae", "none", "--out", "{file}"],
     ["bench", "gemm", "--model", "dit-s", "--images", "1", "--save", "{file}/results"],
 ])
-def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(args, tmp_path):
-    """A --out / --save under a file, or of the wrong kind, is one line at parse time: exit 2,
-    nothing written (the file is untouched, no folder made)."""
+def test_an_output_path_that_cannot_be_written_is_refused_at_parse_time(args, tmp_path, capsys):
+    """A --out / --save under a file, or of the wrong kind, is refused by the parser (exit 2,
+    one line), before any work; nothing is written (the file untouched, no folder made)."""
+    from autohc.cli import build_parser
     blocker = tmp_path / "blocker"
     blocker.write_text("x")
-    r = autohc(*[a.format(file=blocker, dir=tmp_path) for a in args])
-    assert r.returncode == 2, r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
-    assert r.stdout == ""
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args([a.format(file=blocker, dir=tmp_path) for a in args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "error: argument" in err[0] and str(tmp_path) in err[0], err
+    assert blocker.read_text() == "x" and sorted(p.name for p in tmp_path.iterdir()) == ["blocker"]
+
+
+def test_an_output_path_under_a_file_is_one_line_from_the_command_line(tmp_path):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("x")
+    r = autohc("export", "--out", str(blocker / "generated"))
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [
+        f"autohc export: error: argument --out: '{blocker}/generated': '{blocker}' is a file, not a "
+        "folder (see autohc export --help)"]
     assert blocker.read_text() == "x" and sorted(p.name for p in tmp_path.iterdir()) == ["blocker"]
 
 
