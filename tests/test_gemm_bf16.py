@@ -429,7 +429,7 @@ def test_bench_gemm_bf16_says_which_path_runs():
     from autohc.bench.gemm import bench_gemm
     r = bench_gemm("dit-s", 1, repeats=1, images=1, dtype="bf16")
     assert r["dtype"] == "bf16" and r["bf16_isa"] == cpu.bf16_isa()[0] and r["bf16_why"]
-    assert (r["bf16_skinny_unit"] in ("dot", "fma")) == (r["bf16_isa"] in ("amx", "avx512bf16"))
+    assert r["bf16_skinny_unit"] in {"amx": ("tile",), "avx512bf16": ("dot", "fma")}.get(r["bf16_isa"], (None,))
     assert len(r["rows"]) == 15 and all(w["dtype"] == "bf16" for w in r["rows"])
     w = r["rows"][0]
     assert w["gflops"] > 0 and w["torch_gflops"] > 0 and w["torch_fp32_gflops"] > 0
@@ -437,18 +437,21 @@ def test_bench_gemm_bf16_says_which_path_runs():
         w["gflops"] / max(w["torch_fp32_gflops"], w["numpy_gflops"]), rel=0.01)
 
 
-@pytest.mark.parametrize("unit", ["dot", "fma"])
+@pytest.mark.parametrize("unit", ["dot", "fma", "tile"])
 def test_skinny_paths_adaln_shapes(unit_isa, unit):
     """M = batch (adaLN): the dot path (NT) and the rows path (NN, A's K pairs contiguous),
-    on vdpbf16ps and on fp32 FMAs (bf16 widened), every pair of input types, odd K, ragged N,
-    beta; a TN or strided A takes the packed path."""
+    on vdpbf16ps, on fp32 FMAs (bf16 widened) and on AMX tiles (W unpacked: K tails past 32,
+    rows past 16 and columns past 32 from padded copies or masks), every pair of input types,
+    odd K, ragged N, beta; a TN or strided A takes the packed path."""
     isa = unit_isa
+    if unit == "tile" and isa != "amx":
+        pytest.skip("AMX tiles: the amx back-end's unit")
     rng = random.Random(8)
     for threads in (1, 2):
         p = bf16_params(isa, threads, skinny_m=16, skinny_unit=unit)
         assert get_kernel(p).skinny_unit() == unit
         for m, k, n in [(8, 1152, 6912 // 8), (1, 1, 1), (3, 37, 50), (16, 33, 17), (5, 2, 100), (13, 95, 49),
-                        (9, 16, 48), (4, 17, 97)]:
+                        (9, 16, 48), (4, 17, 97), (7, 64, 113)]:
             # (TN takes the packed path, whichever the unit: run it once)
             for layout in ("NT", "NN", "TN") if unit == "dot" else ("NT", "NN"):
                 a, b = operands(layout, m, k, n, rng)
@@ -464,12 +467,12 @@ def test_skinny_paths_adaln_shapes(unit_isa, unit):
 
 
 def test_skinny_unit_auto_is_one_of_the_two(unit_isa):
-    """skinny_unit auto: a probe of vdpbf16ps against FMA throughput picks one form once per
-    process; the result is that form's, bit for bit."""
+    """skinny_unit auto: on AMX the tiles; elsewhere a probe of vdpbf16ps against FMA
+    throughput picks one form once per process; the result is that form's, bit for bit."""
     rng = random.Random(3)
     auto = get_kernel(bf16_params(unit_isa, 1, skinny_m=16))
     chosen = auto.skinny_unit()
-    assert chosen in ("dot", "fma")
+    assert chosen == "tile" if unit_isa == "amx" else chosen in ("dot", "fma")
     same = bf16_params(unit_isa, 1, skinny_m=16, skinny_unit=chosen)
     for layout in ("NT", "NN"):
         a, b = operands(layout, 6, 301, 77, rng)
@@ -479,6 +482,8 @@ def test_skinny_unit_auto_is_one_of_the_two(unit_isa):
         assert torch.equal(got, want), layout
     with pytest.raises(ParamError, match="skinny_unit"):
         GemmParams(isa="avx512", vl=16, mr=12, nr=32, skinny_unit="fma").validate()
+    with pytest.raises(ParamError, match="skinny_unit='tile'"):
+        GemmParams(isa="avx512bf16", vl=16, mr=16, nr=32, dtype="bf16", skinny_unit="tile").validate()
 
 
 def test_bf16_out_is_written_by_the_kernel_and_equals_fp32_rounded(unit_isa):

@@ -101,7 +101,8 @@ def _bf16_line(d: dict) -> str:
 def _skinny_line(unit: str | None) -> str:
     from ..kernels.gemm.kernel import SKINNY_UNIT_WORDS
     why = {"dot": "a probe found it at least 2/3 of the fp32 FMA rate here",
-           "fma": "a probe found vdpbf16ps under 2/3 of the FMA rate here"}
+           "fma": "a probe found vdpbf16ps under 2/3 of the FMA rate here",
+           "tile": "the AMX back-end's, for a bf16 W"}
     if unit not in why:
         return "none (no bf16 back-end)"
     return f"M <= 16 (adaLN) on {SKINNY_UNIT_WORDS[unit]} ({why[unit]})"

@@ -173,7 +173,8 @@ def _skinny_candidates(problem: GemmProblem, default: GemmParams) -> list[GemmPa
     one choice, the unit they run on: vdpbf16ps or fp32 FMAs on bf16 widened. The kernel's
     probe picks by the two instructions' throughput ("auto"); the race times the other unit on
     the problem itself, since the paths also stream all of W (an Intel Xeon model 207, where
-    the probe picked vdpbf16ps, ran adaLN NT at 0.71x oneDNN). Else []."""
+    the probe picked vdpbf16ps, ran adaLN NT at 0.71x oneDNN). On AMX, where auto takes the
+    tiles, the race times the FMA form (that Xeon's vdpbf16ps ran at half its FMA rate). Else []."""
     if (default.dtype != "bf16" or default.isa not in BF16_ISAS or default.skinny_unit != "auto"
             or problem.layout not in ("NT", "NN") or not 0 < problem.M <= default.skinny_m
             or problem.flops < MIN_SKINNY_FLOPS):
@@ -182,7 +183,7 @@ def _skinny_candidates(problem: GemmProblem, default: GemmParams) -> list[GemmPa
         picked = get_kernel(default).skinny_unit()
     except (BuildError, KernelError):
         return []
-    other = {"dot": "fma", "fma": "dot"}.get(picked)
+    other = {"dot": "fma", "fma": "dot", "tile": "fma"}.get(picked)
     return [dataclasses.replace(default, skinny_unit=other).validate()] if other else []
 
 

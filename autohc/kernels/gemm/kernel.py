@@ -50,10 +50,11 @@ class GemmKernel:
     def skinny_unit(self) -> str | None:
         """What this bf16 kernel's skinny paths (M <= skinny_m) run on here: "dot" (vdpbf16ps)
         or "fma" (fp32 FMAs on widened bf16; params.skinny_unit "auto" probes the two once
-        per process); None where it has none (fp32 kernels, skinny_m 0) or cannot run."""
+        per process), or "tile" (AMX, for a bf16 W and M <= 16; the probed unit otherwise);
+        None where it has none (fp32 kernels, skinny_m 0) or cannot run."""
         if not self.runnable:
             return None
-        return {1: "dot", 2: "fma"}.get(self._skinny_unit())
+        return {1: "dot", 2: "fma", 3: "tile"}.get(self._skinny_unit())
 
     def run(self, M: int, N: int, K: int, alpha: float, a_ptr: int, rsa: int, csa: int,
             b_ptr: int, rsb: int, csb: int, beta: float, c_ptr: int, ldc: int,
@@ -169,12 +170,12 @@ def default_kernel_params(threads: int, isa: str | None = None, dtype: str = "fp
 
 
 # what each bf16 skinny unit computes on, in the words `autohc info` and `bench gemm` print
-SKINNY_UNIT_WORDS = {"dot": "vdpbf16ps", "fma": "fp32 FMAs, bf16 widened"}
+SKINNY_UNIT_WORDS = {"dot": "vdpbf16ps", "fma": "fp32 FMAs, bf16 widened", "tile": "AMX tiles, W unpacked"}
 
 
 def bf16_skinny_unit(isa: str, threads: int = 1) -> str | None:
     """What the bf16 skinny paths (M <= skinny_m: adaLN) of back-end `isa`'s default kernel
-    run on here, "dot" or "fma" (the kernel's own probe); None for a back-end without them
+    run on here, "dot" or "fma" (the kernel's own probe) or "tile" (amx); None for a back-end without them
     (the widened fallback)."""
     if isa not in BF16_ISAS:
         return None

@@ -25,7 +25,7 @@ RANGES: dict[str, tuple[int, int]] = {
 CHOICES: dict[str, tuple] = {
     "isa": tuple(GEMM_ISAS), "dtype": ("fp32", "bf16"), "k_unroll": (1, 2, 4, 8), "depth": (1, 2, 3),
     "prefetch_c": (False, True), "a_outer": (False, True), "own_rows": (False, True),
-    "c_tiles": (False, True), "skinny_unit": ("auto", "dot", "fma"),
+    "c_tiles": (False, True), "skinny_unit": ("auto", "dot", "fma", "tile"),
 }
 # names of earlier releases, still read from registries written by them
 LEGACY_NAMES = {"clusters": "jc_ways", "tm": "ic_ways", "tn": "jr_ways"}
@@ -67,8 +67,9 @@ class GemmParams:
     # and a vector epilogue (templates/gemm/ukernel_amx.c.j2)
     c_tiles: bool = False
     # bf16 back-ends' skinny paths: "dot" vdpbf16ps, "fma" fp32 FMAs on bf16 widened to fp32,
-    # "auto" whichever a probe of the two instructions' throughput favours on this CPU
-    # (templates/gemm/skinny_bf16.c.j2)
+    # "tile" (amx only) AMX tiles where W is bf16 and M <= 16, else as "auto"; "auto" the tiles
+    # on amx, else (and for an fp32 W) whichever of dot and fma a probe of the two
+    # instructions' throughput favours on this CPU (templates/gemm/skinny_bf16.c.j2)
     skinny_unit: str = "auto"
 
     @property
@@ -113,6 +114,8 @@ class GemmParams:
                 raise ParamError(f"kc={self.kc}: AMX takes K in blocks of 32; must be a multiple of 32")
         elif self.c_tiles:
             raise ParamError(f"c_tiles: C through tile registers is for isa amx, not {self.isa}")
+        if self.skinny_unit == "tile" and self.isa != "amx":
+            raise ParamError(f"skinny_unit='tile': AMX tiles are the amx back-end's, not {self.isa}'s")
         if self.skinny_unit != "auto" and self.isa not in BF16_ISAS:
             raise ParamError(f"skinny_unit={self.skinny_unit!r}: the bf16 back-ends' skinny paths "
                              f"have it, not {self.isa}; must be 'auto'")
