@@ -416,7 +416,9 @@ def test_bench_step_stock_vs_autohc():
     peaks = r["peak_gflops_by_mode"]
     assert set(peaks) == {"stock", "autohc"} and peaks["stock"] == peaks["autohc"] == r["peak_gflops"]
     for m, t in r["step_s"].items():
-        assert abs(r["pct_peak"][m] - 100 * r["step_gflop"] / t / peaks[m]) < 0.06
+        # (pct_peak rounds to 0.1 and step_gflop to 0.01: 0.3 of DiT-Ti/8 is 0.295 to 0.305)
+        want = 100 * r["step_gflop"] / t / peaks[m]
+        assert abs(r["pct_peak"][m] - want) < 0.051 + want * (0.0051 / r["step_gflop"] + 0.001)
 
 
 def test_profile_classes_count_a_custom_ops_forward_in_its_autograd_node():
