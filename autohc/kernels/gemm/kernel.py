@@ -170,13 +170,14 @@ def default_kernel_params(threads: int, isa: str | None = None, dtype: str = "fp
 
 
 # what each bf16 skinny unit computes on, in the words `autohc info` and `bench gemm` print
-SKINNY_UNIT_WORDS = {"dot": "vdpbf16ps", "fma": "fp32 FMAs, bf16 widened", "tile": "AMX tiles, W unpacked"}
+SKINNY_UNIT_WORDS = {"dot": "vdpbf16ps", "fma": "fp32 FMAs, bf16 widened",
+                     "tile": "AMX tiles, W unpacked"}
 
 
 def bf16_skinny_unit(isa: str, threads: int = 1) -> str | None:
     """What the bf16 skinny paths (M <= skinny_m: adaLN) of back-end `isa`'s default kernel
-    run on here, "dot" or "fma" (the kernel's own probe) or "tile" (amx); None for a back-end without them
-    (the widened fallback)."""
+    run on here: "dot" or "fma" (the kernel's own probe), or "tile" (amx); None for a
+    back-end without them (the widened fallback)."""
     if isa not in BF16_ISAS:
         return None
     p = default_kernel_params(threads, isa=isa, dtype="bf16")
