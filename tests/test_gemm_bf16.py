@@ -429,7 +429,8 @@ def test_bench_gemm_bf16_says_which_path_runs():
     from autohc.bench.gemm import bench_gemm
     r = bench_gemm("dit-s", 1, repeats=1, images=1, dtype="bf16")
     assert r["dtype"] == "bf16" and r["bf16_isa"] == cpu.bf16_isa()[0] and r["bf16_why"]
-    assert r["bf16_skinny_unit"] in {"amx": ("tile",), "avx512bf16": ("dot", "fma")}.get(r["bf16_isa"], (None,))
+    units = {"amx": ("tile",), "avx512bf16": ("dot", "fma")}.get(r["bf16_isa"], (None,))
+    assert r["bf16_skinny_unit"] in units
     assert len(r["rows"]) == 15 and all(w["dtype"] == "bf16" for w in r["rows"])
     w = r["rows"][0]
     assert w["gflops"] > 0 and w["torch_gflops"] > 0 and w["torch_fp32_gflops"] > 0
