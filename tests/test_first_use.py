@@ -230,9 +230,8 @@ def test_a_candidate_that_wins_the_race_must_win_a_second_one(fresh, monkeypatch
 def test_bf16_skinny_problems_race_the_other_unit(fresh, monkeypatch, wins_again):
     """A bf16 adaLN-like problem (NT, M = 8 <= skinny_m) races the skinny paths' other unit
     (fp32 FMAs where the probe picked vdpbf16ps, and the reverse; FMAs beside AMX's tiles)
-    against the default, and
-    keeps it only after two wins; where this CPU has no bf16 back-end (the widened fallback
-    has no skinny paths) it is not tuned."""
+    against the default, and keeps it only after two wins; where this CPU has no bf16
+    back-end (the widened fallback has no skinny paths) it is not tuned."""
     import dataclasses
     from autohc.kernels.gemm.kernel import default_kernel_params, get_kernel
     from autohc.kernels.isa import BF16_ISAS
