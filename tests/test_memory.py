@@ -298,3 +298,41 @@ def test_prefaulter_thread_stocks_ahead_and_detaches(pool, monkeypatch):
     pool.clear()
     memory.fresh_empty(4 << 18)
     assert pool.misses == misses + 1                        # no thread stocks any more
+
+
+def test_parameters_to_huge_pages_moves_large_weights_in_place(monkeypatch):
+    """The large parameters' data move to huge-page-advised mappings (advice on a 2 MB boundary
+    before the copy writes them); values, Parameter objects, small parameters and views of a
+    larger storage stay as they were; autograd and an optimizer step then update the moved data,
+    and a state_dict round-trips through it."""
+    calls = []
+    monkeypatch.setattr(memory, "_madvise", lambda: (lambda a, n, adv: calls.append((a, n, adv)) or 0))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1152, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 8))
+    shared = torch.nn.Parameter(torch.randn(2048, 1024)[:1536])     # a view into a larger storage
+    model.register_parameter("view", shared)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    params = {n: p for n, p in model.named_parameters()}
+    ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+
+    moved = memory.parameters_to_huge_pages(model)
+
+    big = model[0].weight
+    assert moved == big.nbytes                       # only the 4.7 MB weight qualifies
+    (a, n, adv), = calls
+    assert adv == memory.MADV_HUGEPAGE and a == big.data_ptr() and a % memory.HUGE == 0
+    assert n == 3 * memory.HUGE                      # 4.5 MB: its tail's huge page as well
+    assert big.data_ptr() != ptrs["0.weight"] and big.is_contiguous()
+    for name, p in model.named_parameters():
+        assert p is params[name] and torch.equal(p.detach(), before[name]), name
+        if name != "0.weight":
+            assert p.data_ptr() == ptrs[name], name
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(4, 1152)).sum().backward()
+    expected = before["0.weight"].add(big.grad, alpha=-0.1)       # (as SGD computes it)
+    opt.step()
+    assert big.data_ptr() == a and torch.equal(big.detach(), expected)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    model[0].weight.data.zero_()
+    model.load_state_dict(state)
+    assert big.data_ptr() == a and torch.equal(big.detach(), state["0.weight"])

@@ -29,6 +29,7 @@ import torch
 from ..dit import precision
 from ..dit.diffusion import GaussianDiffusion
 from ..hw import cpu
+from ..runtime import memory
 from ..dit.model import config
 from ..dit.train import autohc_ops, build_model, make_optimizer, peak_rss_gb
 from ..torch import dispatch as override
@@ -73,6 +74,8 @@ class _Mode:
         # autohc's DiT takes the fused operators in both precisions (under autocast their bf16
         # forms: LayerNorm + modulate writes the bf16 GEMM input, the gated residual adds bf16)
         self.model = synthetic_model(model_name, image_size, autohc_ops(base == "autohc"))
+        if self.on_autohc:          # the weights in huge pages, as `autohc train` places them
+            memory.parameters_to_huge_pages(self.model)
         self.opt = make_optimizer([p for p in self.model.parameters() if p.requires_grad], lr=1e-4,
                                   weight_decay=0.0, use_autohc=self.on_autohc)
         # autohc+compile: inductor compiles the stock model and fuses its element-wise work;

@@ -29,6 +29,7 @@ import torch
 from . import checkpoint, data as datalib, precision
 from .diffusion import GaussianDiffusion
 from .model import DiT, config as model_config
+from ..runtime import memory
 
 
 @dataclass
@@ -139,6 +140,8 @@ class Trainer:
         # the fused operators in both precisions (their bf16 forms under autocast)
         self.model = build_model(self.arch, autohc_ops(cfg.autohc))
         ema_weights = self._load_init(init) if init else None
+        if cfg.autohc:                  # the large weights in transparent huge pages
+            memory.parameters_to_huge_pages(self.model)
         self.ema = copy.deepcopy(self.model).requires_grad_(False).eval()
         if ema_weights is not None:
             self.ema.load_state_dict(ema_weights)

@@ -401,6 +401,45 @@ def fresh_empty(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor
     return torch.empty(shape, dtype=dtype)
 
 
+def huge_page_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of `t` (CPU, any dtype) in a private mapping of its own, on a huge-page
+    boundary and advised MADV_HUGEPAGE before the copy writes it. Not a pool block: it lives as
+    long as the tensor (its numpy array keeps the mapping)."""
+    nbytes = t.numel() * t.element_size()
+    whole = -(-nbytes // HUGE) * HUGE           # the tail's huge page too
+    block = pool._map(whole + HUGE)
+    offset = (-_address(block)) % HUGE
+    if (madvise := _madvise()) is not None:
+        madvise(_address(block) + offset, whole, MADV_HUGEPAGE)     # a failure changes nothing
+    arr = np.frombuffer(block, dtype=np.uint8, count=nbytes, offset=offset)
+    out = torch.from_numpy(arr).view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
+
+
+def parameters_to_huge_pages(module: torch.nn.Module, min_bytes: int = HUGE_MIN_BYTES) -> int:
+    """Move each parameter of `module` of at least `min_bytes` (dense, contiguous, CPU, not a
+    view into a larger storage) into transparent huge pages (huge_page_copy), in place of its
+    data; returns the bytes moved. torch's allocator gives weights 4 KB pages (THP in madvise
+    mode, this machine's, asks per mapping), and the forward GEMMs' B pack reads W^T as rows a
+    page apart: a TLB walk per row. Measured on a Zen 5 (family 26 model 2), 2 threads, DiT-XL/2
+    batch 4 fp32 steps alternating between the two copies of the weights in one process: 6.506
+    vs 6.530 s (medians of 12, faster in 8 of 12); 1024 x 1152 x 4608 NT alone 465 vs 445
+    GFLOP/s (docs/history.md). Call it before wrapping the model (DDP) or building an optimizer
+    that copies parameters; the Parameter objects stay the same."""
+    moved = 0
+    with torch.no_grad():
+        for p in module.parameters():
+            d = p.data
+            if (type(d) is not torch.Tensor or d.device.type != "cpu" or d.layout != torch.strided
+                    or not d.is_contiguous() or d.numel() * d.element_size() < min_bytes
+                    or d.untyped_storage().nbytes() != d.numel() * d.element_size()):
+                continue
+            p.data = huge_page_copy(d)
+            moved += d.numel() * d.element_size()
+    return moved
+
+
 def fresh_like(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """torch.empty_like(t) (float32 unless told, contiguous) for a kernel to write."""
     return fresh_empty(*t.shape, dtype=dtype)
