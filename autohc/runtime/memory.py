@@ -406,11 +406,9 @@ def huge_page_copy(t: torch.Tensor) -> torch.Tensor:
     boundary and advised MADV_HUGEPAGE before the copy writes it. Not a pool block: it lives as
     long as the tensor (its numpy array keeps the mapping)."""
     nbytes = t.numel() * t.element_size()
-    whole = -(-nbytes // HUGE) * HUGE           # the tail's huge page too
-    block = pool._map(whole + HUGE)
+    block = pool._map(nbytes + HUGE)
     offset = (-_address(block)) % HUGE
-    if (madvise := _madvise()) is not None:
-        madvise(_address(block) + offset, whole, MADV_HUGEPAGE)     # a failure changes nothing
+    _advise_range(_address(block) + offset, nbytes)     # whole huge pages; the tail keeps 4 KB ones
     arr = np.frombuffer(block, dtype=np.uint8, count=nbytes, offset=offset)
     out = torch.from_numpy(arr).view(t.dtype).view(t.shape)
     out.copy_(t)
