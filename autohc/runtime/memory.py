@@ -25,6 +25,9 @@ plan's compute cores, ordered by node).
 
 Private mappings are copy-on-write across fork(): a forked data-loader worker never writes
 into the parent's blocks.
+
+A model's large weights can move to huge pages too (`parameters_to_huge_pages`, what `autohc
+train` does): mappings of their own, outside the pool, for as long as the parameters live.
 """
 from __future__ import annotations
 
