@@ -318,10 +318,10 @@ def test_parameters_to_huge_pages_moves_large_weights_in_place(monkeypatch):
     moved = memory.parameters_to_huge_pages(model)
 
     big = model[0].weight
-    assert moved == big.nbytes                       # only the 4.7 MB weight qualifies
+    assert moved == big.nbytes                       # only the 4.5 MiB weight qualifies
     (a, n, adv), = calls
     assert adv == memory.MADV_HUGEPAGE and a == big.data_ptr() and a % memory.HUGE == 0
-    assert n == 2 * memory.HUGE                      # 4.5 MB: whole huge pages, the tail's 4 KB ones
+    assert n == 2 * memory.HUGE                      # whole huge pages; the tail keeps 4 KB ones
     assert big.data_ptr() != ptrs["0.weight"] and big.is_contiguous()
     for name, p in model.named_parameters():
         assert p is params[name] and torch.equal(p.detach(), before[name]), name
