@@ -438,7 +438,20 @@ def parameters_to_huge_pages(module: torch.nn.Module, min_bytes: int = HUGE_MIN_
                 continue
             p.data = huge_page_copy(d)
             moved += d.numel() * d.element_size()
+    if moved:
+        _malloc_trim()
     return moved
+
+
+def _malloc_trim() -> None:
+    """Give the heap's free pages back to the OS (glibc): the old weights, where glibc had served
+    them from its heap (its mmap threshold rises to 32 MB once larger blocks are freed), would
+    otherwise stay resident beside their copies. Measured: a DiT-XL/2's 2.5 GB of weights moved
+    after a 31 MB block had come and gone left RSS at 5.26 GB, 2.74 with the trim."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass                                        # (not glibc: nothing to give back this way)
 
 
 def fresh_like(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
