@@ -405,14 +405,13 @@ def fresh_empty(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor
 
 
 def huge_page_copy(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of `t` (CPU, any dtype) in a private mapping of its own, on a huge-page
-    boundary and advised MADV_HUGEPAGE before the copy writes it. Not a pool block: it lives as
-    long as the tensor (its numpy array keeps the mapping)."""
+    """A contiguous copy of `t` (CPU, any dtype) in a new block as the pool makes them (from
+    HUGE_MIN_BYTES on a huge-page boundary, advised MADV_HUGEPAGE before the copy writes it;
+    the tail keeps 4 KB pages), but not the pool's: it lives as long as the tensor (its numpy
+    array keeps the mapping)."""
     nbytes = t.numel() * t.element_size()
-    block = pool._map(nbytes + HUGE)
-    offset = (-_address(block)) % HUGE
-    _advise_range(_address(block) + offset, nbytes)     # whole huge pages; the tail keeps 4 KB ones
-    arr = np.frombuffer(block, dtype=np.uint8, count=nbytes, offset=offset)
+    block, start = pool._new_block(nbytes)
+    arr = np.frombuffer(block, dtype=np.uint8, count=nbytes, offset=start - _address(block))
     out = torch.from_numpy(arr).view(t.dtype).view(t.shape)
     out.copy_(t)
     return out
@@ -433,11 +432,11 @@ def parameters_to_huge_pages(module: torch.nn.Module, min_bytes: int = HUGE_MIN_
         for p in module.parameters():
             d = p.data
             if (type(d) is not torch.Tensor or d.device.type != "cpu" or d.layout != torch.strided
-                    or not d.is_contiguous() or d.numel() * d.element_size() < min_bytes
-                    or d.untyped_storage().nbytes() != d.numel() * d.element_size()):
+                    or not d.is_contiguous() or d.nbytes < min_bytes
+                    or d.untyped_storage().nbytes() != d.nbytes):
                 continue
             p.data = huge_page_copy(d)
-            moved += d.numel() * d.element_size()
+            moved += d.nbytes
     if moved:
         _malloc_trim()
     return moved
