@@ -238,6 +238,12 @@ def test_params_validation():
     # c_tiles is the AMX back-end's; off, a set keeps the key it had before the field
     with pytest.raises(ParamError, match="c_tiles"):
         GemmParams(isa="avx512bf16", vl=16, mr=12, nr=32, dtype="bf16", c_tiles=True).validate()
+    amx = default_params("amx", dtype="bf16").to_dict()
+    for bad in ({"kc_inner": 64, "a_outer": False}, {"kc_inner": 100}, {"kc_inner": amx["kc"]}):
+        with pytest.raises(ParamError, match="kc_inner"):
+            GemmParams(**{**amx, "a_outer": True, **bad}).validate()
+    with pytest.raises(ParamError, match="kc_inner"):
+        GemmParams(isa="avx512bf16", vl=16, mr=12, nr=32, dtype="bf16", a_outer=True, kc_inner=64).validate()
     x = GemmParams(**{**default_params("amx", dtype="bf16").to_dict(), "c_tiles": False}).validate()
     y = GemmParams(**{**x.to_dict(), "c_tiles": True}).validate()
     assert "c_tiles" not in x.to_dict() and y.key != x.key and GemmParams.from_dict(y.to_dict()) == y
@@ -269,6 +275,34 @@ def _c_through_the_tiles():
 
 
 @pytest.mark.skipif(not ({"amx", EMULATED_AMX} & set(BF16_UNITS)), reason="needs AMX, real or emulated")
+def test_amx_k_steps_inside_a_panel():
+    """kc_inner: a K panel of 160 taken as 64 + 64 + 32 (first, middle, last step) and one of
+    45 whole, over two groups of B micro-panels (15 > PART_NP = 12), ragged M and N, C
+    through the tiles or not, fp32 C with beta 0, 1 and 0.5, a bf16 C, a bias; 1 thread and
+    2 (own rows) against float64."""
+    rng = random.Random(41)
+    with backend("amx" if "amx" in BF16_UNITS else EMULATED_AMX):
+        for threads, c_tiles in ((1, True), (2, False)):
+            p = bf16_params("amx", threads, kc=160, mc=96, nc=480, a_outer=True, own_rows=True,
+                            c_tiles=c_tiles, kc_inner=64)
+            for layout in ("NT", "NN", "TN"):
+                m, k, n = 71, 160 * 2 + 45, 32 * 14 + 5
+                a, b = operands(layout, m, k, n, rng)
+                for alpha, beta, out_dtype in ((1.0, 0.0, torch.float32), (1.0, 1.0, torch.float32),
+                                               (-0.5, 0.5, torch.float32), (1.0, 0.0, torch.bfloat16)):
+                    run_and_check(a, b, torch.randn(m, n).to(out_dtype), alpha, beta, p,
+                                  f"kc_inner t{threads} c_tiles {c_tiles} {layout} alpha {alpha} "
+                                  f"beta {beta} {out_dtype}")
+            # a Linear's bias, added by the last step of the first K panel (C not read)
+            a, b = operands("NT", 71, 365, 453, rng)
+            a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+            bias, out = torch.randn(453), torch.full((71, 453), float("nan"))
+            get_kernel(p).run(71, 453, 365, 0.5, a16.data_ptr(), a16.stride(0), a16.stride(1), b16.data_ptr(),
+                              b16.stride(0), b16.stride(1), -2.0, out.data_ptr(), 453, bias.data_ptr())
+            check_bf16(out, a, b, bias.expand(71, 453), 0.5, -2.0, f"kc_inner bias t{threads}")
+
+
+@pytest.mark.skipif(not ({"amx", EMULATED_AMX} & set(BF16_UNITS)), reason="needs AMX, real or emulated")
 def test_amx_prefetches_change_no_result():
     """prefetch_a/b (tiles K blocks ahead) and prefetch_c (C's lines as the call starts, fp32
     or bf16, read or only written) on and off: the same results against float64, K over
@@ -293,7 +327,7 @@ def test_every_bf16_backend_compiles_standalone(name, tmp_path):
     an error: AMX and AVX512_BF16 included on CPUs that cannot run them, and the AMX kernel
     with its tiles emulated (the tests' build of it)."""
     isa, emulated = name.removesuffix("-emulated"), name.endswith("-emulated")
-    variants = [(1, False, {}), (2, True, {})] + ([(2, True, {"c_tiles": True}),
+    variants = [(1, False, {}), (2, True, {})] + ([(2, True, {"c_tiles": True, "kc_inner": 128}),
                                                   (1, False, {"prefetch_a": 1, "prefetch_b": 2})]
                                                  if isa == "amx" else [])
     for threads, a_outer, more in variants:

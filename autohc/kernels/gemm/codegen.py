@@ -21,7 +21,8 @@ def render_gemm(params: GemmParams, emulate_tiles: bool = False) -> str:
     ctx["regs"] = GEMM_ISAS[p.isa].registers  # sizes the skinny path's register tile
     ctx["dtype"] = p.dtype                    # (to_dict leaves out fp32 ...
     ctx["c_tiles"] = p.c_tiles                #  ... c_tiles off ...
-    ctx["skinny_unit"] = p.skinny_unit        #  ... and skinny_unit auto)
+    ctx["skinny_unit"] = p.skinny_unit        #  ... skinny_unit auto ...
+    ctx["kc_inner"] = p.kc_inner              #  ... and kc_inner 0)
     ctx["params_comment"] = ", ".join(f"{k}={v}" for k, v in sorted(p.to_dict().items()))
     return environment().get_template("gemm/gemm.c.j2").render(**ctx)
 

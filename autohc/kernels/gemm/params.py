@@ -20,7 +20,7 @@ from ..isa import BF16_ISAS, GEMM_ISAS, ISAS
 RANGES: dict[str, tuple[int, int]] = {
     "mr": (1, 64), "nr": (4, 128), "kc": (4, 4096), "mc": (1, 16384), "nc": (4, 65536),
     "jc_ways": (1, 256), "ic_ways": (1, 256), "jr_ways": (1, 256),
-    "prefetch_a": (0, 32), "prefetch_b": (0, 32), "skinny_m": (0, 64),
+    "prefetch_a": (0, 32), "prefetch_b": (0, 32), "skinny_m": (0, 64), "kc_inner": (0, 4096),
 }
 CHOICES: dict[str, tuple] = {
     "isa": tuple(GEMM_ISAS), "dtype": ("fp32", "bf16"), "k_unroll": (1, 2, 4, 8), "depth": (1, 2, 3),
@@ -71,6 +71,11 @@ class GemmParams:
     # on amx, else (and for an fp32 W) whichever of dot and fma a probe of the two
     # instructions' throughput favours on this CPU (templates/gemm/skinny_bf16.c.j2)
     skinny_unit: str = "auto"
+    # amx with a_outer only (0: off): each A micro-panel's K panel is taken kc_inner K at a
+    # time across a group of B micro-panels, the fp32 sums of C kept between the steps in a
+    # small per-thread buffer through the tiles, so that the A tiles (MR x kc_inner) come from
+    # L1 and only the B tiles from L2 (templates/gemm/gemm.c.j2: sweep_rows)
+    kc_inner: int = 0
 
     @property
     def threads(self) -> int:
@@ -114,6 +119,12 @@ class GemmParams:
                 raise ParamError(f"kc={self.kc}: AMX takes K in blocks of 32; must be a multiple of 32")
         elif self.c_tiles:
             raise ParamError(f"c_tiles: C through tile registers is for isa amx, not {self.isa}")
+        if self.kc_inner:
+            if self.isa != "amx" or not self.a_outer:
+                raise ParamError(f"kc_inner={self.kc_inner}: K steps inside a panel are the amx "
+                                 f"back-end's, with a_outer; must be 0")
+            if self.kc_inner % 32 or self.kc_inner >= self.kc:
+                raise ParamError(f"kc_inner={self.kc_inner}: must be a multiple of 32 below kc={self.kc}")
         if self.skinny_unit == "tile" and self.isa != "amx":
             raise ParamError(f"skinny_unit='tile': AMX tiles are the amx back-end's, not {self.isa}'s")
         if self.skinny_unit != "auto" and self.isa not in BF16_ISAS:
@@ -145,6 +156,8 @@ class GemmParams:
             del d["c_tiles"]
         if d["skinny_unit"] == "auto":
             del d["skinny_unit"]
+        if not d["kc_inner"]:
+            del d["kc_inner"]
         return d
 
     @classmethod
