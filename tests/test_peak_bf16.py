@@ -36,9 +36,11 @@ def test_peaks_match_what_this_cpu_has():
     lib = peak._bf16_lib()
     dot, tile = peak.bf16_peak_gflops("dot"), peak.bf16_peak_gflops("tile")
     if lib.autohc_bf16_dot_supported():
-        # 2 bf16 products per fp32 lane: about twice the fp32 FMA peak (Zen 4: 235 vs 117)
+        # 2 bf16 products per fp32 lane: about twice the fp32 FMA peak on AMD (Zen 4: 235 vs
+        # 117), about half of it on Intel's AMX Xeons, where vdpbf16ps issues on one port and
+        # FMAs on two (model 207: 88 vs 170; a guest reporting model 167: 115 vs 235)
         fp32 = peak.fma_peak_gflops("avx512")
-        assert 0.5 * fp32 < dot < 4 * fp32, (dot, fp32)
+        assert 0.35 * fp32 < dot < 4 * fp32, (dot, fp32)
     else:
         assert dot is None
     if not lib.autohc_bf16_tile_supported():
