@@ -34,6 +34,8 @@ RECORDED = [
     # a KVM guest of an AMX Xeon that reports model 167 (Rocket Lake's number, no AMX)
     (_cpu("GenuineIntel", 6, 167, "Intel(R) Xeon(R) Processor", AVX512 | {"amx_tile"}), "spr"),
     (_cpu("GenuineIntel", 6, 167, "11th Gen Intel(R) Core(TM) i9-11900K", AVX512), "generic"),
+    # a Sapphire Rapids guest whose hypervisor hides AMX: its model still says spr
+    (_cpu("GenuineIntel", 6, 143, "Intel(R) Xeon(R) Platinum 8480+ (AMX hidden)", AVX512), "spr"),
     (_cpu("GenuineIntel", 6, 63, "Intel(R) Xeon(R) CPU E5-2680 v3 @ 2.50GHz", AVX2), "haswell"),
     (_cpu("GenuineIntel", 6, 151, "12th Gen Intel(R) Core(TM) i9-12900K", AVX2), "haswell"),
     # unknown: a future AMD family, an Intel AVX-512 model nobody listed, an Arm server

@@ -2,7 +2,7 @@
 config/<arch>), the entry this CPU matches, and what it gives each kernel family.
 
 An entry names what the CPU must report (`match`: vendor, x86 family, model ranges, flags that
-must be there or not), and per back-end the GEMM default, the candidates that the tuner starts
+must be there or not; or a list of such sets, any of which will do), and per back-end the GEMM default, the candidates that the tuner starts
 from and first-use tuning races, and the element-wise and attention defaults. The most specific matching entry
 wins; `generic` matches every CPU. A back-end an entry does not list comes from `generic`.
 """
@@ -34,8 +34,13 @@ class Arch:
     eltwise: dict = field(default_factory=dict)   # isa -> EltwiseParams fields
     attention: dict = field(default_factory=dict)  # isa -> AttentionParams fields
 
-    def matches(self, info: cpu.CpuInfo) -> bool:
-        m = self.match
+    @property
+    def alternatives(self) -> list[dict]:
+        """The match sets, any of which selects this entry."""
+        return list(self.match) if isinstance(self.match, list) else [self.match]
+
+    @staticmethod
+    def _holds(m: dict, info: cpu.CpuInfo) -> bool:
         if "vendor" in m and info.vendor != m["vendor"]:
             return False
         if "family" in m and info.family != m["family"]:
@@ -47,9 +52,13 @@ class Arch:
             return False
         return not any(f in info.flags for f in m.get("without", ()))
 
-    @property
-    def specificity(self) -> int:
-        return sum(k in self.match for k in MATCH_KEYS)
+    def matches(self, info: cpu.CpuInfo) -> bool:
+        return any(self._holds(m, info) for m in self.alternatives)
+
+    def specificity_for(self, info: cpu.CpuInfo) -> int:
+        """Keys of the most specific match set that holds for this CPU (-1: none holds)."""
+        return max((sum(k in m for k in MATCH_KEYS) for m in self.alternatives if self._holds(m, info)),
+                   default=-1)
 
 
 def configs_dir() -> Path:
@@ -59,8 +68,9 @@ def configs_dir() -> Path:
 def _check(path: Path, d) -> Arch:
     if not isinstance(d, dict) or set(d) - ENTRY_KEYS or "name" not in d or "match" not in d:
         raise ValueError(f"{path}: an arch entry needs name and match, and only {sorted(ENTRY_KEYS)}")
-    if not isinstance(d["match"], dict) or set(d["match"]) - set(MATCH_KEYS):
-        raise ValueError(f"{path}: match takes only {MATCH_KEYS}")
+    sets = d["match"] if isinstance(d["match"], list) else [d["match"]]
+    if not sets or any(not isinstance(m, dict) or set(m) - set(MATCH_KEYS) for m in sets):
+        raise ValueError(f"{path}: match is a set of {MATCH_KEYS}, or a list of such sets")
     for isa, g in (d.get("gemm") or {}).items():
         if not isinstance(g, dict) or "default" not in g or set(g) - GEMM_KEYS:
             raise ValueError(f"{path}: gemm.{isa} needs a default and takes only {sorted(GEMM_KEYS)}")
@@ -90,7 +100,7 @@ def select(info: cpu.CpuInfo | None = None) -> Arch:
     """The most specific entry this CPU matches (generic when none other does)."""
     info = info or cpu.detect()
     hits = [a for a in table() if a.matches(info)]
-    return max(hits, key=lambda a: a.specificity) if hits else by_name("generic")
+    return max(hits, key=lambda a: a.specificity_for(info)) if hits else by_name("generic")
 
 
 def _gemm_entry(isa: str, arch: Arch) -> tuple[Arch, dict]:
