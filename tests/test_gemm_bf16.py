@@ -6,9 +6,12 @@ is fuzzed (AVX512_BF16, AMX where present, and the widened fp32 fallback); on a 
 AVX512_BF16 but no AMX the AMX back-end runs too, its tile instructions emulated in C and
 checked as the CPU checks them (gemm/amx_emulated.h.j2); what a CPU cannot run is compiled."""
 import contextlib
+import os
 import random
 import shutil
 import subprocess
+
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -61,6 +64,13 @@ def bf16_params(isa: str, threads: int = 1, **over) -> GemmParams:
     """The generic entry's bf16 default of `isa` (the fp32 default, widened, on fp32 ISAs)."""
     p = default_params(isa, threads, arch="generic", dtype="bf16")
     return GemmParams(**{**p.to_dict(), **over}).validate() if over else p
+
+
+def prebuild(configs):
+    """Compile the kernels of `configs` side by side (gcc on every core), as first-use tuning
+    builds its candidates, before a test runs them one by one."""
+    with ThreadPoolExecutor(os.cpu_count() or 2) as pool:
+        list(pool.map(get_kernel, configs))
 
 
 def rounded(x):
@@ -154,14 +164,15 @@ def test_every_register_tile_and_loop_order(isa):
         tiles = [(12, 32), (14, 32), (8, 48), (6, 64), (28, 16)]
     else:
         tiles = [(default_params(isa).mr, default_params(isa).nr)]
-    for mr, nr in tiles:
-        for a_outer in (False, True):
-            p = bf16_params(isa, 1, mr=mr, nr=nr, mc=mr * 8, nc=nr * 10, kc=64, a_outer=a_outer)
-            for layout in ("NT", "NN", "TN"):
-                m, k, n = mr * 3 + 1, 64 * 2 + 33, nr * 2 + 5
-                a, b = operands(layout, m, k, n, rng)
-                out = autohc.matmul(a, b, params=p, compute="bf16")
-                check_bf16(out, a, b, torch.zeros(m, n), 1.0, 0.0, f"{isa} {mr}x{nr} {layout} {a_outer}")
+    configs = [bf16_params(isa, 1, mr=mr, nr=nr, mc=mr * 8, nc=nr * 10, kc=64, a_outer=a_outer)
+               for mr, nr in tiles for a_outer in (False, True)]
+    prebuild(configs)
+    for p in configs:
+        for layout in ("NT", "NN", "TN"):
+            m, k, n = p.mr * 3 + 1, 64 * 2 + 33, p.nr * 2 + 5
+            a, b = operands(layout, m, k, n, rng)
+            out = autohc.matmul(a, b, params=p, compute="bf16")
+            check_bf16(out, a, b, torch.zeros(m, n), 1.0, 0.0, f"{isa} {p.mr}x{p.nr} {layout} {p.a_outer}")
 
 
 def test_zero_sizes_and_nan(isa):
@@ -330,14 +341,16 @@ def test_every_bf16_backend_compiles_standalone(name, tmp_path):
     variants = [(1, False, {}), (2, True, {})] + ([(2, True, {"c_tiles": True, "kc_inner": 128}),
                                                   (1, False, {"prefetch_a": 1, "prefetch_b": 2})]
                                                  if isa == "amx" else [])
-    for threads, a_outer, more in variants:
+    def compile_one(i, threads, a_outer, more):
         p = bf16_params(isa, threads, a_outer=a_outer, **more)
-        c = tmp_path / f"{isa}{threads}.c"
+        c = tmp_path / f"{isa}{i}.c"
         c.write_text(render_gemm(p, emulate_tiles=emulated))
         cmd = ["gcc", "-O3", "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared",
-               *GEMM_ISAS[isa].cflags, str(c), "-o", str(tmp_path / f"{isa}{threads}.so"), "-lpthread"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr
+               *GEMM_ISAS[isa].cflags, str(c), "-o", str(tmp_path / f"{isa}{i}.so"), "-lpthread"]
+        return subprocess.run(cmd, capture_output=True, text=True)
+    with ThreadPoolExecutor(os.cpu_count() or 2) as pool:      # (gcc runs side by side)
+        for proc in pool.map(lambda v: compile_one(*v), [(i, *v) for i, v in enumerate(variants)]):
+            assert proc.returncode == 0, proc.stderr
     src = render_gemm(bf16_params(isa), emulate_tiles=emulated)
     if emulated:
         assert "emu_tile_dpbf16ps" in src and "amx_configure" in src
