@@ -2,9 +2,10 @@
 config/<arch>), the entry this CPU matches, and what it gives each kernel family.
 
 An entry names what the CPU must report (`match`: vendor, x86 family, model ranges, flags that
-must be there or not; or a list of such sets, any of which will do), and per back-end the GEMM default, the candidates that the tuner starts
-from and first-use tuning races, and the element-wise and attention defaults. The most specific matching entry
-wins; `generic` matches every CPU. A back-end an entry does not list comes from `generic`.
+must be there or not; or a list of such sets, any of which will do), and per back-end the GEMM
+default, the candidates that the tuner starts from and first-use tuning races, and the
+element-wise and attention defaults. The most specific matching entry wins; `generic` matches
+every CPU. A back-end an entry does not list comes from `generic`.
 """
 from __future__ import annotations
 
