@@ -74,7 +74,7 @@ class GemmParams:
     # amx with a_outer only (0: off): each A micro-panel's K panel is taken kc_inner K at a
     # time across a group of B micro-panels, the fp32 sums of C kept between the steps in a
     # small per-thread buffer through the tiles, so that the A tiles (MR x kc_inner) come from
-    # L1 and only the B tiles from L2 (templates/gemm/gemm.c.j2: sweep_rows)
+    # L1 and only the B tiles from L2 (templates/gemm/gemm.c.j2: sweep_rows_in_steps)
     kc_inner: int = 0
 
     @property
