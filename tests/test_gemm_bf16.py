@@ -255,6 +255,12 @@ def test_params_validation():
             GemmParams(**{**amx, "a_outer": True, **bad}).validate()
     with pytest.raises(ParamError, match="kc_inner"):
         GemmParams(isa="avx512bf16", vl=16, mr=12, nr=32, dtype="bf16", a_outer=True, kc_inner=64).validate()
+    for bad in ({"sink_every": 3}, {"sink_every": 128}):
+        with pytest.raises(ParamError, match="sink_every"):
+            GemmParams(**{**amx, **bad}).validate()
+    with pytest.raises(ParamError, match="sink_every"):
+        GemmParams(isa="avx512bf16", vl=16, mr=12, nr=32, dtype="bf16", sink_every=8).validate()
+    assert "sink_every" not in GemmParams(**{**amx, "sink_every": 0}).validate().to_dict()
     x = GemmParams(**{**default_params("amx", dtype="bf16").to_dict(), "c_tiles": False}).validate()
     y = GemmParams(**{**x.to_dict(), "c_tiles": True}).validate()
     assert "c_tiles" not in x.to_dict() and y.key != x.key and GemmParams.from_dict(y.to_dict()) == y
@@ -314,14 +320,16 @@ def test_amx_k_steps_inside_a_panel():
 
 
 @pytest.mark.skipif(not ({"amx", EMULATED_AMX} & set(BF16_UNITS)), reason="needs AMX, real or emulated")
-def test_amx_prefetches_change_no_result():
-    """prefetch_a/b (tiles K blocks ahead) and prefetch_c (C's lines as the call starts, fp32
-    or bf16, read or only written) on and off: the same results against float64, K over
-    several panels and ragged edges."""
+def test_amx_prefetches_and_the_sink_change_no_result():
+    """prefetch_a/b (tiles K blocks ahead), prefetch_c (C's lines as the call starts, fp32
+    or bf16, read or only written) and sink_every (an A tile stored to the stack every that
+    many K blocks, with k_unroll 1 and 2) on and off: the same results against float64, K
+    over several panels and ragged edges."""
     rng = random.Random(37)
     with backend("amx" if "amx" in BF16_UNITS else EMULATED_AMX):
-        for threads, a_outer, pf in ((1, False, dict(prefetch_a=1, prefetch_b=2, prefetch_c=True)),
-                                     (2, True, dict(prefetch_a=2, prefetch_b=1, prefetch_c=False))):
+        for threads, a_outer, pf in ((1, False, dict(prefetch_a=1, prefetch_b=2, prefetch_c=True, sink_every=2)),
+                                     (2, True, dict(prefetch_a=2, prefetch_b=1, prefetch_c=False, sink_every=1,
+                                                    k_unroll=2))):
             p = bf16_params("amx", threads, kc=64, mc=64, nc=96, a_outer=a_outer, **pf)
             for layout in ("NT", "TN"):
                 m, k, n = 64 + 7, 64 * 2 + 33, 96 + 5
@@ -338,8 +346,9 @@ def test_every_bf16_backend_compiles_standalone(name, tmp_path):
     an error: AMX and AVX512_BF16 included on CPUs that cannot run them, and the AMX kernel
     with its tiles emulated (the tests' build of it)."""
     isa, emulated = name.removesuffix("-emulated"), name.endswith("-emulated")
-    variants = [(1, False, {}), (2, True, {})] + ([(2, True, {"c_tiles": True, "kc_inner": 128}),
-                                                  (1, False, {"prefetch_a": 1, "prefetch_b": 2})]
+    variants = [(1, False, {}), (2, True, {})] + ([(2, True, {"c_tiles": True, "kc_inner": 128, "sink_every": 8}),
+                                                  (1, False, {"prefetch_a": 1, "prefetch_b": 2, "sink_every": 4,
+                                                              "k_unroll": 2})]
                                                  if isa == "amx" else [])
     def compile_one(i, threads, a_outer, more):
         p = bf16_params(isa, threads, a_outer=a_outer, **more)

@@ -21,6 +21,7 @@ RANGES: dict[str, tuple[int, int]] = {
     "mr": (1, 64), "nr": (4, 128), "kc": (4, 4096), "mc": (1, 16384), "nc": (4, 65536),
     "jc_ways": (1, 256), "ic_ways": (1, 256), "jr_ways": (1, 256),
     "prefetch_a": (0, 32), "prefetch_b": (0, 32), "skinny_m": (0, 64), "kc_inner": (0, 4096),
+    "sink_every": (0, 64),
 }
 CHOICES: dict[str, tuple] = {
     "isa": tuple(GEMM_ISAS), "dtype": ("fp32", "bf16"), "k_unroll": (1, 2, 4, 8), "depth": (1, 2, 3),
@@ -76,6 +77,12 @@ class GemmParams:
     # small per-thread buffer through the tiles, so that the A tiles (MR x kc_inner) come from
     # L1 and only the B tiles from L2 (templates/gemm/gemm.c.j2: sweep_rows_in_steps)
     kc_inner: int = 0
+    # amx only (0: off; else a power of two): every sink_every K blocks of 32 the tile loop
+    # stores an A tile into a stack line nobody reads. On AMX Xeons a tile loop of many K
+    # blocks with no store in it made the C tile stores after it cost about 700 cycles
+    # (36 blocks: about 20 % of the loop); a store every 8-12 blocks took that away
+    # (templates/gemm/ukernel_amx.c.j2; docs/history.md, "A store in the tile loop")
+    sink_every: int = 0
 
     @property
     def threads(self) -> int:
@@ -125,6 +132,12 @@ class GemmParams:
                                  f"back-end's, with a_outer; must be 0")
             if self.kc_inner % 32 or self.kc_inner >= self.kc:
                 raise ParamError(f"kc_inner={self.kc_inner}: must be a multiple of 32 below kc={self.kc}")
+        if self.sink_every:
+            if self.isa != "amx":
+                raise ParamError(f"sink_every={self.sink_every}: a store in the tile loop is the amx "
+                                 f"back-end's, not {self.isa}'s; must be 0")
+            if self.sink_every & (self.sink_every - 1):
+                raise ParamError(f"sink_every={self.sink_every}: must be a power of two")
         if self.skinny_unit == "tile" and self.isa != "amx":
             raise ParamError(f"skinny_unit='tile': AMX tiles are the amx back-end's, not {self.isa}'s")
         if self.skinny_unit != "auto" and self.isa not in BF16_ISAS:
@@ -158,6 +171,8 @@ class GemmParams:
             del d["skinny_unit"]
         if not d["kc_inner"]:
             del d["kc_inner"]
+        if not d["sink_every"]:
+            del d["sink_every"]
         return d
 
     @classmethod
