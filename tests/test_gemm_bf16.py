@@ -261,6 +261,11 @@ def test_params_validation():
     with pytest.raises(ParamError, match="sink_every"):
         GemmParams(isa="avx512bf16", vl=16, mr=12, nr=32, dtype="bf16", sink_every=8).validate()
     assert "sink_every" not in GemmParams(**{**amx, "sink_every": 0}).validate().to_dict()
+    with pytest.raises(ParamError, match="a_direct"):
+        GemmParams(**{**amx, "a_outer": False, "a_direct": True}).validate()
+    with pytest.raises(ParamError, match="a_direct"):
+        GemmParams(isa="avx512bf16", vl=16, mr=12, nr=32, dtype="bf16", a_outer=True, a_direct=True).validate()
+    assert "a_direct" not in GemmParams(**{**amx, "a_outer": True}).validate().to_dict()
     x = GemmParams(**{**default_params("amx", dtype="bf16").to_dict(), "c_tiles": False}).validate()
     y = GemmParams(**{**x.to_dict(), "c_tiles": True}).validate()
     assert "c_tiles" not in x.to_dict() and y.key != x.key and GemmParams.from_dict(y.to_dict()) == y
@@ -320,6 +325,39 @@ def test_amx_k_steps_inside_a_panel():
 
 
 @pytest.mark.skipif(not ({"amx", EMULATED_AMX} & set(BF16_UNITS)), reason="needs AMX, real or emulated")
+def test_amx_a_tiles_from_its_own_rows():
+    """a_direct: a bf16 A with rows contiguous along K and K in whole blocks of 32 (NT, NN)
+    feeds its tiles straight from its rows, a ragged last micro-panel packed; at any row
+    stride (a view of a wider A, an odd stride), over several K panels, with kc_inner steps
+    and without, own rows and shared A blocks on 2 threads. An A that cannot (TN, K not a
+    multiple of 32, an fp32 A rounded while packing) is packed as before. Against float64."""
+    rng = random.Random(43)
+    with backend("amx" if "amx" in BF16_UNITS else EMULATED_AMX):
+        configs = [bf16_params("amx", t, kc=64, mc=96, nc=96, a_outer=True, own_rows=own, a_direct=True,
+                               kc_inner=ki) for t, own, ki in ((1, True, 0), (1, True, 32), (2, True, 0), (2, False, 32))]
+        prebuild(configs)
+        cases = (("NT", 71, 160, 101, 0, torch.bfloat16), ("NN", 71, 160, 101, 7, torch.bfloat16),
+                 ("NT", 64, 96, 45, 33, torch.bfloat16), ("NN", 71, 161, 45, 0, torch.bfloat16),
+                 ("TN", 71, 160, 45, 0, torch.bfloat16), ("NT", 71, 160, 45, 0, torch.float32))
+        for p in configs:
+            for i, (layout, m, k, n, wider, a_dtype) in enumerate(cases):
+                g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+                a = (torch.randn(k, m, generator=g).to(a_dtype).t() if layout == "TN"
+                     else torch.randn(m, k + wider, generator=g).to(a_dtype)[:, :k])
+                b = (torch.randn(n, k, generator=g).t() if layout == "NT"
+                     else torch.randn(k, n, generator=g)).to(torch.bfloat16)
+                if layout != "TN" and wider:
+                    assert a.stride() == (k + wider, 1)     # (the view kept A's row stride)
+                beta, out_dtype = ((0.0, torch.bfloat16), (0.5, torch.float32))[i % 2]
+                c0 = torch.randn(m, n).to(out_dtype)
+                out = c0.clone()
+                autohc.matmul(a, b, out=out, beta=beta, params=p, compute="bf16")
+                check_bf16(out, a.float(), b.float(), c0.float(), 1.0, beta,
+                           f"a_direct t{p.threads} own_rows {p.own_rows} kc_inner {p.kc_inner} {layout} "
+                           f"m{m} k{k} n{n} lda {a.stride()} {a_dtype}")
+
+
+@pytest.mark.skipif(not ({"amx", EMULATED_AMX} & set(BF16_UNITS)), reason="needs AMX, real or emulated")
 def test_amx_prefetches_and_the_sink_change_no_result():
     """prefetch_a/b (tiles K blocks ahead), prefetch_c (C's lines as the call starts, fp32
     or bf16, read or only written) and sink_every (an A tile stored to the stack every that
@@ -346,7 +384,8 @@ def test_every_bf16_backend_compiles_standalone(name, tmp_path):
     an error: AMX and AVX512_BF16 included on CPUs that cannot run them, and the AMX kernel
     with its tiles emulated (the tests' build of it)."""
     isa, emulated = name.removesuffix("-emulated"), name.endswith("-emulated")
-    variants = [(1, False, {}), (2, True, {})] + ([(2, True, {"c_tiles": True, "kc_inner": 128, "sink_every": 8}),
+    variants = [(1, False, {}), (2, True, {})] + ([(2, True, {"c_tiles": True, "kc_inner": 128, "sink_every": 8,
+                                                              "a_direct": True}),
                                                   (1, False, {"prefetch_a": 1, "prefetch_b": 2, "sink_every": 4,
                                                               "k_unroll": 2})]
                                                  if isa == "amx" else [])

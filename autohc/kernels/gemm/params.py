@@ -26,7 +26,7 @@ RANGES: dict[str, tuple[int, int]] = {
 CHOICES: dict[str, tuple] = {
     "isa": tuple(GEMM_ISAS), "dtype": ("fp32", "bf16"), "k_unroll": (1, 2, 4, 8), "depth": (1, 2, 3),
     "prefetch_c": (False, True), "a_outer": (False, True), "own_rows": (False, True),
-    "c_tiles": (False, True), "skinny_unit": ("auto", "dot", "fma", "tile"),
+    "c_tiles": (False, True), "skinny_unit": ("auto", "dot", "fma", "tile"), "a_direct": (False, True),
 }
 # names of earlier releases, still read from registries written by them
 LEGACY_NAMES = {"clusters": "jc_ways", "tm": "ic_ways", "tn": "jr_ways"}
@@ -83,6 +83,10 @@ class GemmParams:
     # (36 blocks: about 20 % of the loop); a store every 8-12 blocks took that away
     # (templates/gemm/ukernel_amx.c.j2; docs/history.md, "A store in the tile loop")
     sink_every: int = 0
+    # amx with a_outer only: where A is bf16 with rows contiguous along K (NT, NN) and K is a
+    # multiple of 32, the A tiles are loaded straight from A's rows (stride: A's row stride)
+    # and only a ragged last micro-panel is packed, so A is not copied (templates/gemm)
+    a_direct: bool = False
 
     @property
     def threads(self) -> int:
@@ -138,6 +142,9 @@ class GemmParams:
                                  f"back-end's, not {self.isa}'s; must be 0")
             if self.sink_every & (self.sink_every - 1):
                 raise ParamError(f"sink_every={self.sink_every}: must be a power of two")
+        if self.a_direct and (self.isa != "amx" or not self.a_outer):
+            raise ParamError(f"a_direct: A tiles from A's own rows are the amx back-end's, with a_outer; "
+                             f"not {self.isa}'s{'' if self.a_outer else ' without a_outer'}")
         if self.skinny_unit == "tile" and self.isa != "amx":
             raise ParamError(f"skinny_unit='tile': AMX tiles are the amx back-end's, not {self.isa}'s")
         if self.skinny_unit != "auto" and self.isa not in BF16_ISAS:
@@ -173,6 +180,8 @@ class GemmParams:
             del d["kc_inner"]
         if not d["sink_every"]:
             del d["sink_every"]
+        if not d["a_direct"]:
+            del d["a_direct"]
         return d
 
     @classmethod
