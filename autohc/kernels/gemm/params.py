@@ -78,10 +78,11 @@ class GemmParams:
     # L1 and only the B tiles from L2 (templates/gemm/gemm.c.j2: sweep_rows_in_steps)
     kc_inner: int = 0
     # amx only (0: off; else a power of two): every sink_every K blocks of 32 the tile loop
-    # stores an A tile into a stack line nobody reads. On AMX Xeons a tile loop of many K
-    # blocks with no store in it made the C tile stores after it cost about 700 cycles
-    # (36 blocks: about 20 % of the loop); a store every 8-12 blocks took that away
-    # (templates/gemm/ukernel_amx.c.j2; docs/history.md, "A store in the tile loop")
+    # stores an A tile into a stack line nobody reads. On the AMX Xeon a KVM guest reports as
+    # model 167 a tile loop of many K blocks with no store in it made the C tile stores after
+    # it cost about 700 cycles (36 blocks: about 20 % of the loop); a store every 8-12 blocks
+    # took that away. A Xeon model 207 ran slower with it (templates/gemm/ukernel_amx.c.j2;
+    # docs/history.md, "A store in the tile loop")
     sink_every: int = 0
     # amx with a_outer only: where A is bf16 with rows contiguous along K (NT, NN) and K is a
     # multiple of 32, the A tiles are loaded straight from A's rows (stride: A's row stride)
