@@ -116,6 +116,13 @@ def test_an_entry_that_kept_an_earlier_default_is_tuned_again(fresh):
     assert gm.tuned_params(512, 384, 1152, (384, 1), (1, 384), threads) == old
 
 
+def _two_candidates(monkeypatch):
+    """The first two of this CPU's candidates: the bf16 race tests need no more (a whole
+    list took 33-40 s of gcc on an AMX Xeon)."""
+    candidates = first_use._candidates
+    monkeypatch.setattr(first_use, "_candidates", lambda isa, default: candidates(isa, default)[:2])
+
+
 def test_bf16_races_time_a_bf16_c_and_verify_it(fresh, monkeypatch):
     """A bf16 problem's candidates are timed writing a bf16 C (install()'s output under
     autocast, whose last K panel is its own code path) and verified in one too: a candidate
@@ -133,9 +140,7 @@ def test_bf16_races_time_a_bf16_c_and_verify_it(fresh, monkeypatch):
         return real(a, b, *args, out=out, params=params, **kw)
     monkeypatch.setattr(gm, "matmul", spy)                  # the race's calls
     monkeypatch.setattr("autohc.tune.verify.matmul", spy)  # the verifier's
-    # two candidates show it (a CPU's whole list took 40 s of gcc on an AMX Xeon)
-    candidates = first_use._candidates
-    monkeypatch.setattr(first_use, "_candidates", lambda isa, default: candidates(isa, default)[:2])
+    _two_candidates(monkeypatch)
     first_use.enable()
     threads = 2
     problem = GemmProblem("t", "NT", 512, 384, 1152)
@@ -158,9 +163,10 @@ def test_bf16_races_time_a_bf16_c_and_verify_it(fresh, monkeypatch):
         verify(dataclasses.replace(default, kc=default.kc))
 
 
-def test_bf16_problems_are_tuned_under_their_own_key(fresh):
+def test_bf16_problems_are_tuned_under_their_own_key(fresh, monkeypatch):
     """A bf16 product (bfloat16 operands) races the bf16 back-end's candidates on bf16
     operands and is recorded under the bf16 key, never the fp32 one of the same shape."""
+    _two_candidates(monkeypatch)
     first_use.enable()
     g = torch.Generator().manual_seed(5)
     x = torch.randn(512, 384, generator=g).bfloat16()
