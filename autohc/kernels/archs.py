@@ -54,7 +54,7 @@ class Arch:
         return not any(f in info.flags for f in m.get("without", ()))
 
     def matches(self, info: cpu.CpuInfo) -> bool:
-        return any(self._holds(m, info) for m in self.alternatives)
+        return self.specificity_for(info) >= 0
 
     def specificity_for(self, info: cpu.CpuInfo) -> int:
         """Keys of the most specific match set that holds for this CPU (-1: none holds)."""
@@ -100,8 +100,8 @@ def by_name(name: str) -> Arch:
 def select(info: cpu.CpuInfo | None = None) -> Arch:
     """The most specific entry this CPU matches (generic when none other does)."""
     info = info or cpu.detect()
-    hits = [a for a in table() if a.matches(info)]
-    return max(hits, key=lambda a: a.specificity_for(info)) if hits else by_name("generic")
+    score, best = max(((a.specificity_for(info), a) for a in table()), key=lambda x: x[0])
+    return best if score >= 0 else by_name("generic")
 
 
 def _gemm_entry(isa: str, arch: Arch) -> tuple[Arch, dict]:
