@@ -15,6 +15,11 @@ AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
 L32K = (Cache(1, "Data", 32 << 10, 1), Cache(2, "Unified", 1 << 20, 1))
 
 
+def L3(mib):
+    """L1d, L2 per core and a shared L3 of `mib` MiB."""
+    return (Cache(1, "Data", 48 << 10, 1), Cache(2, "Unified", 2 << 20, 1), Cache(3, "Unified", mib << 20, 2))
+
+
 def _cpu(vendor, family, model, name, flags, caches=L32K, arch="x86_64"):
     return CpuInfo(arch=arch, vendor=vendor, model=name, flags=frozenset(flags), cpus=(0, 1),
                    caches=caches, numa_nodes=((0, 1),), family=family, model_number=model)
@@ -31,8 +36,16 @@ RECORDED = [
     (_cpu("GenuineIntel", 6, 106, "Intel(R) Xeon(R) Platinum 8380 CPU @ 2.30GHz", AVX512), "skx"),
     (_cpu("GenuineIntel", 6, 143, "Intel(R) Xeon(R) Platinum 8480+", AVX512 | {"amx_tile"}), "spr"),
     (_cpu("GenuineIntel", 6, 207, "Intel(R) Xeon(R) Processor", AVX512 | {"amx_tile"}), "spr"),
-    # a KVM guest of an AMX Xeon that reports model 167 (Rocket Lake's number, no AMX)
+    # KVM guests of AMX Xeons that report model 167 (Rocket Lake's number, no AMX): the L3 tells
+    # a Granite Rapids (480 MiB, a Xeon 6972P's) from a Sapphire or Emerald Rapids (<= 320 MiB)
     (_cpu("GenuineIntel", 6, 167, "Intel(R) Xeon(R) Processor", AVX512 | {"amx_tile"}), "spr"),
+    (_cpu("GenuineIntel", 6, 167, "Intel(R) Xeon(R) Processor", AVX512 | {"amx_tile"}, caches=L3(480)), "gnr"),
+    (_cpu("GenuineIntel", 6, 167, "Intel(R) Xeon(R) Processor", AVX512 | {"amx_tile"}, caches=L3(320)), "spr"),
+    (_cpu("GenuineIntel", 6, 207, "Intel(R) Xeon(R) Platinum 8592+", AVX512 | {"amx_tile"}, caches=L3(320)), "spr"),
+    (_cpu("GenuineIntel", 6, 173, "Intel(R) Xeon(R) 6972P", AVX512 | {"amx_tile"}, caches=L3(480)), "gnr"),
+    (_cpu("GenuineIntel", 6, 173, "Intel(R) Xeon(R) 6517P", AVX512 | {"amx_tile"}, caches=L3(72)), "gnr"),
+    # an L3 that large without tiles is no Granite Rapids guest
+    (_cpu("GenuineIntel", 6, 167, "Intel(R) Xeon(R) Processor", AVX512, caches=L3(480)), "generic"),
     (_cpu("GenuineIntel", 6, 167, "11th Gen Intel(R) Core(TM) i9-11900K", AVX512), "generic"),
     # a Sapphire Rapids guest whose hypervisor hides AMX: its model still says spr
     (_cpu("GenuineIntel", 6, 143, "Intel(R) Xeon(R) Platinum 8480+ (AMX hidden)", AVX512), "spr"),
@@ -196,3 +209,36 @@ def test_every_register_tile_of_the_search_space_is_a_valid_kernel():
             mr, nr = (int(x) for x in tile.split("x"))
             vl = d.vl if nr % d.vl == 0 else 8           # (portable: its 8-lane tiles)
             dataclasses.replace(d, mr=mr, nr=nr, vl=vl, mc=mr * 8, nc=nr * 8).validate()
+
+
+def test_an_entry_inherits_what_it_does_not_name():
+    """gnr names only the amx GEMM back-end: spr's others, its element-wise and attention
+    defaults come with it, and its own amx entry replaces spr's whole."""
+    gnr, spr = archs.by_name("gnr"), archs.by_name("spr")
+    assert gnr.gemm["avx512"] == spr.gemm["avx512"] and gnr.gemm["avx512bf16"] == spr.gemm["avx512bf16"]
+    assert gnr.eltwise == spr.eltwise and gnr.attention == spr.attention
+    assert gnr.gemm["amx"] != spr.gemm["amx"] and gnr.gemm["amx"]["default"]["sink_every"] == 8
+    assert "sink_every" not in spr.gemm["amx"]["default"]
+
+
+@pytest.mark.parametrize("bad,says", [
+    ({"name": "x", "match": {"l3_over_mib": "big"}}, "whole number of MiB"),
+    ({"name": "x", "match": {"family": 6}, "inherits": ["spr"]}, "inherits names one entry"),
+])
+def test_malformed_match_or_inherits_is_refused(tmp_path, bad, says):
+    with pytest.raises(ValueError, match=says):
+        archs._check(tmp_path / "x.yaml", bad)
+
+
+def test_inheriting_an_unknown_entry_is_refused(tmp_path, monkeypatch):
+    import shutil
+    for f in archs.configs_dir().glob("*.yaml"):
+        shutil.copy(f, tmp_path)
+    (tmp_path / "odd.yaml").write_text("name: odd\ninherits: nosuch\nmatch: {family: 99}\n")
+    monkeypatch.setattr(archs, "configs_dir", lambda: tmp_path)
+    archs.table.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="inherits 'nosuch'"):
+            archs.table()
+    finally:
+        archs.table.cache_clear()

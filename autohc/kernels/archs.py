@@ -2,7 +2,9 @@
 config/<arch>), the entry this CPU matches, and what it gives each kernel family.
 
 An entry names what the CPU must report (`match`: vendor, x86 family, model ranges, flags that
-must be there or not; or a list of such sets, any of which will do), and per back-end the GEMM
+must be there or not, an L3 larger than some size; or a list of such sets, any of which will
+do), the entry it starts from (`inherits`: its back-ends and operators, each one this entry
+names replacing the inherited one whole), and per back-end the GEMM
 default, the candidates that the tuner starts from and first-use tuning races, and the
 element-wise and attention defaults. The most specific matching entry wins; `generic` matches
 every CPU. A back-end an entry does not list comes from `generic`.
@@ -21,8 +23,8 @@ from ..hw import cpu
 from .family import ParamError
 from .isa import BF16_ISAS
 
-MATCH_KEYS = ("vendor", "family", "models", "flags", "without")
-ENTRY_KEYS = {"name", "title", "match", "gemm", "eltwise", "attention"}
+MATCH_KEYS = ("vendor", "family", "models", "flags", "without", "l3_over_mib")
+ENTRY_KEYS = {"name", "title", "match", "inherits", "gemm", "eltwise", "attention"}
 GEMM_KEYS = {"default", "candidates", "source", "derive_blocks", "own_ways_up_to"}
 
 
@@ -51,6 +53,9 @@ class Arch:
             return False
         if not info.has(*m.get("flags", ())):
             return False
+        # (a KVM guest may report a made-up model; the L3 it reports can still tell CPU lines apart)
+        if "l3_over_mib" in m and not (info.cache_size(3) or 0) > m["l3_over_mib"] << 20:
+            return False
         return not any(f in info.flags for f in m.get("without", ()))
 
     def matches(self, info: cpu.CpuInfo) -> bool:
@@ -72,6 +77,10 @@ def _check(path: Path, d) -> Arch:
     sets = d["match"] if isinstance(d["match"], list) else [d["match"]]
     if not sets or any(not isinstance(m, dict) or set(m) - set(MATCH_KEYS) for m in sets):
         raise ValueError(f"{path}: match is a set of {MATCH_KEYS}, or a list of such sets")
+    if any(not isinstance(m.get("l3_over_mib", 0), int) for m in sets):
+        raise ValueError(f"{path}: l3_over_mib is a whole number of MiB")
+    if not isinstance(d.get("inherits", ""), str):
+        raise ValueError(f"{path}: inherits names one entry")
     for isa, g in (d.get("gemm") or {}).items():
         if not isinstance(g, dict) or "default" not in g or set(g) - GEMM_KEYS:
             raise ValueError(f"{path}: gemm.{isa} needs a default and takes only {sorted(GEMM_KEYS)}")
@@ -81,12 +90,22 @@ def _check(path: Path, d) -> Arch:
 
 @functools.lru_cache(maxsize=None)
 def table() -> tuple[Arch, ...]:
-    out = []
+    raw = {}
     for path in sorted(configs_dir().glob("*.yaml")):
-        arch = _check(path, yaml.safe_load(path.read_text()))
-        if arch.name != path.stem:
-            raise ValueError(f"{path}: name {arch.name!r} differs from the file name")
-        out.append(arch)
+        d = yaml.safe_load(path.read_text())
+        _check(path, d)
+        if d["name"] != path.stem:
+            raise ValueError(f"{path}: name {d['name']!r} differs from the file name")
+        raw[d["name"]] = (path, d)
+    out = []
+    for name, (path, d) in raw.items():
+        parent = d.get("inherits")
+        if parent is not None:
+            if parent not in raw or raw[parent][1].get("inherits"):
+                raise ValueError(f"{path}: inherits {parent!r}, which is no entry, or one that inherits itself")
+            base = raw[parent][1]
+            d = {**d, **{k: {**(base.get(k) or {}), **(d.get(k) or {})} for k in ("gemm", "eltwise", "attention")}}
+        out.append(_check(path, d))
     return tuple(out)
 
 

@@ -1,0 +1,97 @@
+/* How fast the amx GEMM's tile loop can go at DiT-XL/2's sizes, with nothing else in it
+ * (docs/history.md, "Granite Rapids gets its own entry"): the loop nest of the amx back-end
+ * (a_outer, 2 x 2 C tiles: 2 A + 2 B tile loads and 4 tdpbf16ps per K block of 32) over
+ * 2048 x 1152 A and a 1152 x 480 B block (15 micro-panels of 32 columns, 1.1 MB, in L2),
+ * already packed, random bf16 data, one core; no packing, no rounding, no C written back.
+ *   whole K          : 36 K blocks per micro-tile, the 4 C tiles stored after them (kc 1152)
+ *   + sink 8         : and an A tile stored to the stack every 8 blocks (sink_every 8)
+ *   A direct + sink 8: A's tiles from A's own rows (row stride 2304 bytes), as a_direct
+ *   kc_inner 256     : 8 K blocks at a time over the 15 micro-panels (the A tiles stay in L1),
+ *                      the fp32 sums loaded and stored around each step (kc_inner 256)
+ *   ... no C traffic : the same steps without those loads and stores (not a GEMM: the floor
+ *                      of what A from L1 and B from L2 allow)
+ * The whole GEMMs cost more (packing B, rounding C to bf16); compare them with these.
+ * Build and run (Linux, gcc >= 11, an AMX CPU):
+ *   gcc -O2 -mamx-tile -mamx-bf16 -mavx512f bench/amx_feed_ceiling.c -o /tmp/amx_feed_ceiling -lm
+ *   /tmp/amx_feed_ceiling        (GFLOP/s per variant, three rounds) */
+#define _GNU_SOURCE
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "amx_bench.h"
+
+enum { M = 2048, K = 1152, NC = 480, NJ = NC / 32, NKB = K / 32 };
+
+static void fill(uint16_t *p, size_t n) { for (size_t i = 0; i < n; ++i) p[i] = bf16_randn(); }
+static float sink[256] __attribute__((aligned(64)));
+
+/* n K blocks into the 4 C tiles: A's block k at a + k * akb, its rows ars elements apart
+ * (packed: 32 and 1024; direct: K and 32); B's block k at b + k * 1024 (two 1 KB tiles) */
+__attribute__((noinline)) static void blocks(const uint16_t *a, long ars, long akb, const uint16_t *b,
+                                             int n, int sink_every)
+{
+    for (int k = 0; k < n; ++k) {
+        const uint16_t *ak = a + k * akb, *bk = b + k * 1024;
+        _tile_loadd(4, ak, 2 * ars); _tile_loadd(6, bk, 64); _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, bk + 512, 64); _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(5, ak + 16 * ars, 2 * ars); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+        if (sink_every && k % sink_every == sink_every - 1)
+            _tile_stored(4, sink, 64);
+    }
+}
+static void c_zero(void) { _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); }
+static void c_store(float *c) { _tile_stored(0, c, 64); _tile_stored(1, c + 256, 64); _tile_stored(2, c + 512, 64); _tile_stored(3, c + 768, 64); }
+static void c_load(const float *c) { _tile_loadd(0, c, 64); _tile_loadd(1, c + 256, 64); _tile_loadd(2, c + 512, 64); _tile_loadd(3, c + 768, 64); }
+
+static uint16_t *A, *Apacked, *B;
+static float *sums;                 /* one micro-panel row's fp32 sums: NJ tiles of 32 x 32 */
+
+/* one pass over A's micro-panels against the B block; step: K blocks per step (NKB: whole K) */
+static double run(int direct, int step, int sink_every, int c_traffic)
+{
+    long done = 0; double t0 = now(), t;
+    do {
+        for (int i = 0; i < M / 32; ++i) {
+            const uint16_t *ap = direct ? A + (size_t)i * 32 * K : Apacked + (size_t)i * NKB * 1024;
+            const long ars = direct ? K : 32, akb = direct ? 32 : 1024;
+            for (int k0 = 0; k0 < NKB; k0 += step) {
+                const int n = NKB - k0 < step ? NKB - k0 : step;
+                for (int j = 0; j < NJ; ++j) {
+                    if (k0 && c_traffic) c_load(sums + j * 1024); else c_zero();
+                    blocks(ap + k0 * akb, ars, akb, B + ((size_t)j * NKB + k0) * 1024, n, sink_every);
+                    if (c_traffic || k0 + n == NKB) c_store(sums + j * 1024);
+                }
+            }
+            done += (long)NJ * NKB;
+        }
+        t = now() - t0;
+    } while (t < 0.5);
+    return 4.0 * 2 * 16 * 16 * 32 * done / t / 1e9;
+}
+
+int main(void)
+{
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */)) {
+        perror("arch_prctl(ARCH_REQ_XCOMP_PERM): no AMX here");
+        return 1;
+    }
+    A = aligned_alloc(4096, (size_t)M * K * 2); Apacked = aligned_alloc(4096, (size_t)M * K * 2);
+    B = aligned_alloc(4096, (size_t)K * NC * 2); sums = aligned_alloc(4096, NJ * 4096);
+    fill(A, (size_t)M * K); fill(Apacked, (size_t)M * K); fill(B, (size_t)K * NC);
+    memset(sums, 0, NJ * 4096);
+    configure();
+    printf("GFLOP/s, one core, %d x %d A, %d x %d B block\n", M, K, K, NC);
+    for (int round = 0; round < 3; ++round)
+        printf("whole K %5.0f  + sink 8 %5.0f  A direct + sink 8 %5.0f  kc_inner 256 %5.0f"
+               "  ... no C traffic %5.0f\n", run(0, NKB, 0, 1), run(0, NKB, 8, 1), run(1, NKB, 8, 1),
+               run(0, 8, 0, 1), run(0, 8, 0, 0));
+    _tile_release();
+    return 0;
+}
