@@ -116,6 +116,39 @@ def test_an_entry_that_kept_an_earlier_default_is_tuned_again(fresh):
     assert gm.tuned_params(512, 384, 1152, (384, 1), (1, 384), threads) == old
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_candidates_leave_out_the_skinny_paths_a_raced_problem_never_takes(dtype):
+    """Only problems past skinny_m are raced, so their candidates are built without the skinny
+    paths (most of a bf16 kernel's compile); everything else is the table's override."""
+    import dataclasses
+    from autohc.kernels import archs
+    from autohc.kernels.gemm.kernel import default_kernel_params
+    default = default_kernel_params(2, dtype=dtype)
+    got = first_use._candidates(default.isa, default)
+    assert got and all(p.skinny_m == 0 for p in got)
+    for p in got:
+        assert dataclasses.replace(p, skinny_m=default.skinny_m) != default
+
+
+def test_an_entry_without_the_skinny_paths_is_not_used_for_a_skinny_m(fresh):
+    """A problem of a few rows takes the nearest M bucket's entry only where that entry kept
+    the skinny paths this M takes in the default kernel; else the default runs."""
+    import dataclasses
+    from autohc.kernels.gemm import matmul as gm
+    from autohc.kernels.gemm.kernel import default_kernel_params
+    threads = 1
+    default = default_kernel_params(threads)
+    assert default.skinny_m >= 8
+    without = dataclasses.replace(default, skinny_m=0, depth=3 if default.depth != 3 else 2).validate()
+    registry.record("gemm", "NT", 384, 1152, 512, threads, without, 120.0, 100.0, trials=5)
+    at = lambda m: gm.tuned_params(m, 384, 1152, (384, 1), (1, 384), threads)   # noqa: E731
+    assert at(512) == without and at(100) == without       # its bucket and the nearest past skinny_m
+    assert at(8) == default                                  # the nearest entry for 8 rows lacks the paths
+    kept = dataclasses.replace(without, skinny_m=default.skinny_m).validate()
+    registry.record("gemm", "NT", 384, 1152, 512, threads, kept, 120.0, 100.0, trials=5)
+    assert at(8) == kept
+
+
 def _two_candidates(monkeypatch):
     """The first two of this CPU's candidates: the bf16 race tests need no more (a whole
     list took 33-40 s of gcc on an AMX Xeon)."""

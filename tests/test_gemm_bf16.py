@@ -66,6 +66,11 @@ def bf16_params(isa: str, threads: int = 1, **over) -> GemmParams:
     return GemmParams(**{**p.to_dict(), **over}).validate() if over else p
 
 
+# for tests whose every M is past skinny_m: kernels built without the skinny paths, which they
+# never take and which are three quarters of a bf16 kernel's compile (first-use candidates too)
+PACKED_ONLY = {"skinny_m": 0}
+
+
 def prebuild(configs):
     """Compile the kernels of `configs` side by side (gcc on every core), as first-use tuning
     builds its candidates, before a test runs them one by one."""
@@ -140,7 +145,7 @@ def test_bf16_rows_at_any_offset_and_stride(isa):
     offset, an odd stride or an odd K takes the copying path. Both give the same products."""
     rng = random.Random(11)
     for threads in (1, 2):
-        params = bf16_params(isa, threads, kc=64)       # K past one panel: panel offsets too
+        params = bf16_params(isa, threads, kc=64, **PACKED_ONLY)  # K past one panel: panel offsets too
         for off in (0, 1):
             for k in (64, 130, 131, 200):
                 for ld in (k + off, k + off + 1):       # even and odd row strides
@@ -164,7 +169,7 @@ def test_every_register_tile_and_loop_order(isa):
         tiles = [(12, 32), (14, 32), (8, 48), (6, 64), (28, 16)]
     else:
         tiles = [(default_params(isa).mr, default_params(isa).nr)]
-    configs = [bf16_params(isa, 1, mr=mr, nr=nr, mc=mr * 8, nc=nr * 10, kc=64, a_outer=a_outer)
+    configs = [bf16_params(isa, 1, mr=mr, nr=nr, mc=mr * 8, nc=nr * 10, kc=64, a_outer=a_outer, **PACKED_ONLY)
                for mr, nr in tiles for a_outer in (False, True)]
     prebuild(configs)
     for p in configs:
@@ -284,7 +289,7 @@ def test_amx_c_through_the_tiles():
 def _c_through_the_tiles():
     rng = random.Random(31)
     for threads, a_outer in ((1, False), (2, True)):
-        p = bf16_params("amx", threads, kc=64, mc=64, nc=96, a_outer=a_outer, c_tiles=True)
+        p = bf16_params("amx", threads, kc=64, mc=64, nc=96, a_outer=a_outer, c_tiles=True, **PACKED_ONLY)
         for layout in ("NT", "NN", "TN"):
             for m, k, n in ((64, 192, 96), (64 + 7, 64 * 2 + 33, 96 + 5), (32, 64, 32)):
                 a, b = operands(layout, m, k, n, rng)
@@ -305,7 +310,7 @@ def test_amx_k_steps_inside_a_panel():
     rng = random.Random(41)
     with backend("amx" if "amx" in BF16_UNITS else EMULATED_AMX):
         for threads, c_tiles in ((1, True), (2, False)):
-            p = bf16_params("amx", threads, kc=160, mc=96, nc=480, a_outer=True, own_rows=True,
+            p = bf16_params("amx", threads, kc=160, mc=96, nc=480, a_outer=True, own_rows=True, **PACKED_ONLY,
                             c_tiles=c_tiles, kc_inner=64)
             for layout in ("NT", "NN", "TN"):
                 m, k, n = 71, 160 * 2 + 45, 32 * 14 + 5
@@ -334,7 +339,7 @@ def test_amx_a_tiles_from_its_own_rows():
     rng = random.Random(43)
     with backend("amx" if "amx" in BF16_UNITS else EMULATED_AMX):
         configs = [bf16_params("amx", t, kc=64, mc=96, nc=96, a_outer=True, own_rows=own, a_direct=True,
-                               kc_inner=ki) for t, own, ki in ((1, True, 0), (1, True, 32), (2, True, 0), (2, False, 32))]
+                               kc_inner=ki, **PACKED_ONLY) for t, own, ki in ((1, True, 0), (1, True, 32), (2, True, 0), (2, False, 32))]
         prebuild(configs)
         cases = (("NT", 71, 160, 101, 0, torch.bfloat16), ("NN", 71, 160, 101, 7, torch.bfloat16),
                  ("NT", 64, 96, 45, 33, torch.bfloat16), ("NN", 71, 161, 45, 0, torch.bfloat16),
@@ -368,7 +373,7 @@ def test_amx_prefetches_and_the_sink_change_no_result():
         for threads, a_outer, pf in ((1, False, dict(prefetch_a=1, prefetch_b=2, prefetch_c=True, sink_every=2)),
                                      (2, True, dict(prefetch_a=2, prefetch_b=1, prefetch_c=False, sink_every=1,
                                                     k_unroll=2))):
-            p = bf16_params("amx", threads, kc=64, mc=64, nc=96, a_outer=a_outer, **pf)
+            p = bf16_params("amx", threads, kc=64, mc=64, nc=96, a_outer=a_outer, **pf, **PACKED_ONLY)
             for layout in ("NT", "TN"):
                 m, k, n = 64 + 7, 64 * 2 + 33, 96 + 5
                 a, b = operands(layout, m, k, n, rng)

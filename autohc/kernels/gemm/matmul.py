@@ -53,7 +53,7 @@ def _chosen_params(m: int, k: int, n: int, sa, sb, threads: int, dtype: str = "f
     if layout is not None:              # (no registry file: lookup answers None)
         M, K, N = registry.linear_dims(layout, m, k, n)
         hit = registry.lookup("gemm", layout, K, N, M, threads, dtype=dtype)
-        if hit is not None and not _outdated_default(hit, threads):
+        if hit is not None and not _outdated_default(hit, threads) and not _drops_skinny_paths(hit[0], M, threads):
             return hit[0]
         hook = _registry_miss_hook
         if hook is not None:
@@ -61,6 +61,13 @@ def _chosen_params(m: int, k: int, n: int, sa, sb, threads: int, dtype: str = "f
             if chosen is not None:
                 return chosen
     return default_kernel_params(threads, dtype=dtype)
+
+
+def _drops_skinny_paths(params: GemmParams, M: int, threads: int) -> bool:
+    """An entry of a larger M (the nearest bucket) built without the skinny paths that this M
+    would take in the default kernel (skinny_m: tuned large-M entries and first-use candidates
+    leave them out): the default runs instead of the packed path on a few rows."""
+    return params.skinny_m < M <= default_kernel_params(threads, dtype=params.dtype).skinny_m
 
 
 def _outdated_default(hit, threads: int) -> bool:
