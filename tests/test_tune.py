@@ -107,6 +107,17 @@ def test_tune_records_best_and_second_call_is_instant(fresh_cache):
     assert autohc.kernels.gemm.matmul.tuned_params(96, 64, 80, x.stride(), w.stride(), 1) == r.params
 
 
+def test_trials_past_skinny_m_are_built_without_the_skinny_paths(fresh_cache):
+    """M past every skinny_m the space offers: the skinny paths would never run, so each trial
+    is built (and recorded) without them."""
+    from autohc.kernels.gemm.kernel import default_kernel_params
+    assert default_kernel_params(1).skinny_m > 0          # (trial 0 is the default: it had them)
+    r = tuner.tune_problem(GemmProblem("t", "NT", 97, 64, 80), 1, trials=2, timeout=120)
+    study = optuna.load_study(study_name=r.study, storage=tuner.open_storage())
+    tried = [GemmParams.from_dict(t.user_attrs["params"]) for t in study.trials if "params" in t.user_attrs]
+    assert len(tried) == 2 and all(p.skinny_m == 0 for p in tried)
+
+
 def test_wrong_kernel_can_never_win(fresh_cache, monkeypatch):
     """Candidates other than the default compute garbage but claim a huge speed: every one
     of them must fail the correctness gate, and the default must be what is recorded."""
