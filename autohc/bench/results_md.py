@@ -23,6 +23,11 @@ def cpu_title(c: dict) -> str:
     return f"{c['model']} ({c['vendor']}, {fam}, `{c['microarch']}`), {c['cores']} cores"
 
 
+def ran_under(r: dict) -> str:
+    """Where a result ran under another kernel entry than its CPU's heading names."""
+    return f"run under the `{r['cpu']['microarch']}` entry"
+
+
 def cpu_features(c: dict) -> str:
     return (f"fp32 back-end {c['isa']}, bf16 back-end {c['bf16_isa']}; ISA flags "
             f"{', '.join(c['flags'])}; fingerprint `{c['fingerprint']}`")
@@ -160,6 +165,12 @@ def _by_cpu(results):
     return out
 
 
+def newest_cpu(rs) -> dict:
+    """The CPU record of the newest of one CPU's results: it names the kernel entry
+    (configs/<arch>.yaml) the current code picks for it; older results say theirs."""
+    return max(rs, key=lambda r: (r["date"], r["file"]))["cpu"]
+
+
 def latest(results) -> list[dict]:
     """The newest result of each (CPU, command): what the current code gives."""
     keep: dict[tuple, dict] = {}
@@ -177,7 +188,7 @@ def readme_table(results) -> str:
         return "(no saved results yet)"
     out = []
     for fp, rs in _by_cpu(rows).items():
-        out += [f"**{cpu_title(rs[0]['cpu'])}** (fingerprint `{fp}`):", "",
+        out += [f"**{cpu_title(newest_cpu(rs))}** (fingerprint `{fp}`):", "",
                 "| what | result | code, date | command |", "|---|---|---|---|"]
         out += [f"| {what} | {figure} | {_code(r)} | {_cmd(r)} |" for r in rs for what, figure in summaries(r)]
         out.append("")
@@ -278,7 +289,7 @@ def results_page(results) -> str:
     if not results:
         lines.append("No saved results yet.")
     for fp, rs in _by_cpu(results).items():
-        c = rs[-1]["cpu"]
+        c = newest_cpu(rs)
         lines += [f"## {cpu_title(c)}", "", cpu_features(c), "",
                   "| what | result | code, date | command |", "|---|---|---|---|"]
         for r in latest(rs):
@@ -289,6 +300,7 @@ def results_page(results) -> str:
                       f"{_code(r)}, torch {r['torch']}, registry entries at the start "
                       f"{r['registry_entries_at_start']}"
                       + (f", environment {', '.join(f'{k}={v}' for k, v in r['env'].items())}" if r["env"] else "")
+                      + (f", {ran_under(r)}" if r["cpu"]["microarch"] != c["microarch"] else "")
                       + f"; file [`results/{r['file']}`](../results/{r['file']})"]
             lines += _details(r)
             lines.append("")
