@@ -102,7 +102,7 @@ def table() -> tuple[Arch, ...]:
         parent = d.get("inherits")
         if parent is not None:
             if parent not in raw or raw[parent][1].get("inherits"):
-                raise ValueError(f"{path}: inherits {parent!r}, which is no entry, or one that inherits itself")
+                raise ValueError(f"{path}: inherits {parent!r}, which is no entry or inherits in turn (one level only)")
             base = raw[parent][1]
             d = {**d, **{k: {**(base.get(k) or {}), **(d.get(k) or {})} for k in ("gemm", "eltwise", "attention")}}
         out.append(_check(path, d))
