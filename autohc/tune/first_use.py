@@ -127,7 +127,7 @@ def _candidates(isa: str, default: GemmParams) -> list[GemmParams]:
             continue                    # a candidate this thread count cannot run
         if p != default and p not in out:
             out.append(p)
-    return [dataclasses.replace(p, skinny_m=0, skinny_unit="auto").validate() for p in out]
+    return [p.without_skinny_paths() for p in out]
 
 
 def _build(t: Tuning) -> None:

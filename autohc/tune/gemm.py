@@ -9,7 +9,6 @@ wrong result is a failed trial and can never be recorded as best.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import warnings
@@ -135,9 +134,8 @@ def tune_problem(problem: GemmProblem, threads: int = 1, *, trials: int | None =
             params = suggest_params(trial, isa, threads)
         except ParamError as e:
             raise optuna.TrialPruned(str(e)) from None
-        if problem.M > params.skinny_m:             # paths this problem never takes: built
-            # without them (three quarters of a bf16 kernel's compile), timed the same
-            params = dataclasses.replace(params, skinny_m=0, skinny_unit="auto").validate()
+        if problem.M > params.skinny_m:             # paths this problem never takes
+            params = params.without_skinny_paths()
         trial.set_user_attr("params", params.to_dict())
         get_kernel(params)                          # build: BuildError / KernelError fail it
         verifier(params)                            # verify: WrongResult fails it

@@ -2,6 +2,8 @@
 rendered source itself (kernels/family.py)."""
 from __future__ import annotations
 
+import dataclasses
+
 from ..family import exported_declarations
 from ..isa import GEMM_ISAS
 from ..render import environment
@@ -15,16 +17,10 @@ def render_gemm(params: GemmParams, emulate_tiles: bool = False) -> str:
     p = params.validate()
     if emulate_tiles and p.isa != "amx":
         raise ValueError(f"emulate_tiles: only the amx back-end has tiles, not {p.isa}")
-    ctx = p.to_dict()
+    ctx = dataclasses.asdict(p)                # every field (to_dict leaves some out at their defaults)
     ctx["emulate_tiles"] = bool(emulate_tiles)
     ctx["fn"] = p.symbol
     ctx["regs"] = GEMM_ISAS[p.isa].registers  # sizes the skinny path's register tile
-    ctx["dtype"] = p.dtype                    # (to_dict leaves out fp32 ...
-    ctx["c_tiles"] = p.c_tiles                #  ... c_tiles off ...
-    ctx["skinny_unit"] = p.skinny_unit        #  ... skinny_unit auto ...
-    ctx["kc_inner"] = p.kc_inner              #  ... kc_inner 0 ...
-    ctx["sink_every"] = p.sink_every          #  ... sink_every 0 ...
-    ctx["a_direct"] = p.a_direct              #  ... and a_direct off)
     ctx["params_comment"] = ", ".join(f"{k}={v}" for k, v in sorted(p.to_dict().items()))
     return environment().get_template("gemm/gemm.c.j2").render(**ctx)
 

@@ -28,6 +28,9 @@ CHOICES: dict[str, tuple] = {
     "prefetch_c": (False, True), "a_outer": (False, True), "own_rows": (False, True),
     "c_tiles": (False, True), "skinny_unit": ("auto", "dot", "fma", "tile"), "a_direct": (False, True),
 }
+# fields that to_dict leaves out at these values (each added later: fp32 sets before bf16, ...)
+OMITTED_AT = {"dtype": "fp32", "c_tiles": False, "skinny_unit": "auto", "kc_inner": 0, "sink_every": 0,
+              "a_direct": False}
 # names of earlier releases, still read from registries written by them
 LEGACY_NAMES = {"clusters": "jc_ways", "tm": "ic_ways", "tn": "jr_ways"}
 RETIRED = {"pin", "spin_us"}       # now the worker pool's (runtime/pool.py), not a kernel's
@@ -92,6 +95,11 @@ class GemmParams:
     @property
     def threads(self) -> int:
         return self.jc_ways * self.ic_ways * self.jr_ways
+
+    def without_skinny_paths(self) -> "GemmParams":
+        """The same kernel for every M past skinny_m, built without the skinny paths (three
+        quarters of a bf16 kernel's compile): first-use candidates and tuner trials."""
+        return dataclasses.replace(self, skinny_m=0, skinny_unit="auto").validate()
 
     @property
     def own_ways(self) -> bool:
@@ -170,20 +178,9 @@ class GemmParams:
         return self
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        if d["dtype"] == "fp32":    # fp32 sets keep the keys (cached kernels) they had before bf16
-            del d["dtype"]
-        if not d["c_tiles"]:        # ... and every set the key it had before c_tiles
-            del d["c_tiles"]
-        if d["skinny_unit"] == "auto":
-            del d["skinny_unit"]
-        if not d["kc_inner"]:
-            del d["kc_inner"]
-        if not d["sink_every"]:
-            del d["sink_every"]
-        if not d["a_direct"]:
-            del d["a_direct"]
-        return d
+        """The fields, less those added after the first release at their off values: a set
+        keeps the key (cached kernels, registry entries) it had before each was added."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in OMITTED_AT or v != OMITTED_AT[k]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "GemmParams":
