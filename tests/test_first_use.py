@@ -121,7 +121,6 @@ def test_candidates_leave_out_the_skinny_paths_a_raced_problem_never_takes(dtype
     """Only problems past skinny_m are raced, so their candidates are built without the skinny
     paths (most of a bf16 kernel's compile); everything else is the table's override."""
     import dataclasses
-    from autohc.kernels import archs
     from autohc.kernels.gemm.kernel import default_kernel_params
     default = default_kernel_params(2, dtype=dtype)
     got = first_use._candidates(default.isa, default)
