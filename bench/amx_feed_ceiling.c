@@ -10,6 +10,11 @@
  *                      the fp32 sums loaded and stored around each step (kc_inner 256)
  *   ... no C traffic : the same steps without those loads and stores (not a GEMM: the floor
  *                      of what A from L1 and B from L2 allow)
+ *   oneDNN's form    : the block as oneDNN v3.12's brgemm AMX kernel has it (its JIT code, dumped
+ *                      with ONEDNN_JIT_DUMP=1 from torch's bf16 matmul): A from its rows, every
+ *                      tile loaded with tileloaddt1, in the order A0 B0 B1 . A1 . . ., and the
+ *                      next A micro-panel prefetched into L2 (prefetcht1) across the sweep; no sink
+ *   ... + sink 8     : and the sink
  * The whole GEMMs cost more (packing B, rounding C to bf16); compare them with these.
  * Build and run (Linux, gcc >= 11, an AMX CPU):
  *   gcc -O2 -mamx-tile -mamx-bf16 -mavx512f bench/amx_feed_ceiling.c -o /tmp/amx_feed_ceiling -lm
@@ -46,6 +51,22 @@ __attribute__((noinline)) static void blocks(const uint16_t *a, long ars, long a
             _tile_stored(4, sink, 64);
     }
 }
+
+/* blocks in oneDNN's form: npf lines of the next A micro-panel (from pf) prefetched into L2 per block */
+__attribute__((noinline)) static void blocks_onednn(const uint16_t *a, long ars, const uint16_t *b, int n,
+                                                    int sink_every, const char *pf, int npf)
+{
+    for (int k = 0; k < n; ++k) {
+        const uint16_t *ak = a + k * 32, *bk = b + k * 1024;
+        _tile_stream_loadd(4, ak, 2 * ars); _tile_stream_loadd(6, bk, 64); _tile_stream_loadd(7, bk + 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_stream_loadd(5, ak + 16 * ars, 2 * ars); _tile_dpbf16ps(1, 4, 7);
+        for (int q = 0; q < npf; ++q) _mm_prefetch(pf + (k * npf + q) * 64, _MM_HINT_T1);
+        _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+        if (sink_every && k % sink_every == sink_every - 1)
+            _tile_stored(4, sink, 64);
+    }
+}
 static void c_zero(void) { _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); }
 static void c_store(float *c) { _tile_stored(0, c, 64); _tile_stored(1, c + 256, 64); _tile_stored(2, c + 512, 64); _tile_stored(3, c + 768, 64); }
 static void c_load(const float *c) { _tile_loadd(0, c, 64); _tile_loadd(1, c + 256, 64); _tile_loadd(2, c + 512, 64); _tile_loadd(3, c + 768, 64); }
@@ -76,6 +97,29 @@ static double run(int direct, int step, int sink_every, int c_traffic)
     return 4.0 * 2 * 16 * 16 * 32 * done / t / 1e9;
 }
 
+/* one pass in oneDNN's form: A from its rows, whole K, the next A micro-panel's lines (32 rows of
+ * K bf16, contiguous) spread over the sweep's blocks */
+static double run_onednn(int sink_every)
+{
+    const int lines = 32 * K * 2 / 64, npf = (lines + NJ * NKB - 1) / (NJ * NKB);
+    long done = 0; double t0 = now(), t;
+    do {
+        for (int i = 0; i < M / 32; ++i) {
+            const uint16_t *ap = A + (size_t)i * 32 * K;
+            const char *next = (const char *)(A + (size_t)((i + 1) % (M / 32)) * 32 * K);
+            for (int j = 0; j < NJ; ++j) {
+                const int left = lines - j * NKB * npf, per = left <= 0 ? 0 : npf;
+                c_zero();
+                blocks_onednn(ap, K, B + (size_t)j * NKB * 1024, NKB, sink_every, next + (size_t)j * NKB * npf * 64, per);
+                c_store(sums + j * 1024);
+            }
+            done += (long)NJ * NKB;
+        }
+        t = now() - t0;
+    } while (t < 0.5);
+    return 4.0 * 2 * 16 * 16 * 32 * done / t / 1e9;
+}
+
 int main(void)
 {
     if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */)) {
@@ -90,8 +134,8 @@ int main(void)
     printf("GFLOP/s, one core, %d x %d A, %d x %d B block\n", M, K, K, NC);
     for (int round = 0; round < 3; ++round)
         printf("whole K %5.0f  + sink 8 %5.0f  A direct + sink 8 %5.0f  kc_inner 256 %5.0f"
-               "  ... no C traffic %5.0f\n", run(0, NKB, 0, 1), run(0, NKB, 8, 1), run(1, NKB, 8, 1),
-               run(0, 8, 0, 1), run(0, 8, 0, 0));
+               "  ... no C traffic %5.0f  oneDNN's form %5.0f  ... + sink 8 %5.0f\n", run(0, NKB, 0, 1),
+               run(0, NKB, 8, 1), run(1, NKB, 8, 1), run(0, 8, 0, 1), run(0, 8, 0, 0), run_onednn(0), run_onednn(8));
     _tile_release();
     return 0;
 }
