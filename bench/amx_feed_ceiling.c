@@ -74,44 +74,29 @@ static void c_load(const float *c) { _tile_loadd(0, c, 64); _tile_loadd(1, c + 2
 static uint16_t *A, *Apacked, *B;
 static float *sums;                 /* one micro-panel row's fp32 sums: NJ tiles of 32 x 32 */
 
-/* one pass over A's micro-panels against the B block; step: K blocks per step (NKB: whole K) */
-static double run(int direct, int step, int sink_every, int c_traffic)
-{
-    long done = 0; double t0 = now(), t;
-    do {
-        for (int i = 0; i < M / 32; ++i) {
-            const uint16_t *ap = direct ? A + (size_t)i * 32 * K : Apacked + (size_t)i * NKB * 1024;
-            const long ars = direct ? K : 32, akb = direct ? 32 : 1024;
-            for (int k0 = 0; k0 < NKB; k0 += step) {
-                const int n = NKB - k0 < step ? NKB - k0 : step;
-                for (int j = 0; j < NJ; ++j) {
-                    if (k0 && c_traffic) c_load(sums + j * 1024); else c_zero();
-                    blocks(ap + k0 * akb, ars, akb, B + ((size_t)j * NKB + k0) * 1024, n, sink_every);
-                    if (c_traffic || k0 + n == NKB) c_store(sums + j * 1024);
-                }
-            }
-            done += (long)NJ * NKB;
-        }
-        t = now() - t0;
-    } while (t < 0.5);
-    return 4.0 * 2 * 16 * 16 * 32 * done / t / 1e9;
-}
-
-/* one pass in oneDNN's form: A from its rows, whole K, the next A micro-panel's lines (32 rows of
- * K bf16, contiguous) spread over the sweep's blocks */
-static double run_onednn(int sink_every)
+/* one pass over A's micro-panels against the B block; step: K blocks per step (NKB: whole K);
+ * onednn: in oneDNN's form (A direct, whole K), the next A micro-panel's lines (32 rows of K
+ * bf16, contiguous) prefetched over the sweep's blocks */
+static double run(int direct, int step, int sink_every, int c_traffic, int onednn)
 {
     const int lines = 32 * K * 2 / 64, npf = (lines + NJ * NKB - 1) / (NJ * NKB);
     long done = 0; double t0 = now(), t;
     do {
         for (int i = 0; i < M / 32; ++i) {
-            const uint16_t *ap = A + (size_t)i * 32 * K;
+            const uint16_t *ap = direct ? A + (size_t)i * 32 * K : Apacked + (size_t)i * NKB * 1024;
+            const long ars = direct ? K : 32, akb = direct ? 32 : 1024;
             const char *next = (const char *)(A + (size_t)((i + 1) % (M / 32)) * 32 * K);
-            for (int j = 0; j < NJ; ++j) {
-                const int left = lines - j * NKB * npf, per = left <= 0 ? 0 : npf;
-                c_zero();
-                blocks_onednn(ap, K, B + (size_t)j * NKB * 1024, NKB, sink_every, next + (size_t)j * NKB * npf * 64, per);
-                c_store(sums + j * 1024);
+            for (int k0 = 0; k0 < NKB; k0 += step) {
+                const int n = NKB - k0 < step ? NKB - k0 : step;
+                for (int j = 0; j < NJ; ++j) {
+                    if (k0 && c_traffic) c_load(sums + j * 1024); else c_zero();
+                    if (onednn)
+                        blocks_onednn(ap, K, B + (size_t)j * NKB * 1024, NKB, sink_every,
+                                      next + (size_t)j * NKB * npf * 64, j * NKB * npf < lines ? npf : 0);
+                    else
+                        blocks(ap + k0 * akb, ars, akb, B + ((size_t)j * NKB + k0) * 1024, n, sink_every);
+                    if (c_traffic || k0 + n == NKB) c_store(sums + j * 1024);
+                }
             }
             done += (long)NJ * NKB;
         }
@@ -134,8 +119,9 @@ int main(void)
     printf("GFLOP/s, one core, %d x %d A, %d x %d B block\n", M, K, K, NC);
     for (int round = 0; round < 3; ++round)
         printf("whole K %5.0f  + sink 8 %5.0f  A direct + sink 8 %5.0f  kc_inner 256 %5.0f"
-               "  ... no C traffic %5.0f  oneDNN's form %5.0f  ... + sink 8 %5.0f\n", run(0, NKB, 0, 1),
-               run(0, NKB, 8, 1), run(1, NKB, 8, 1), run(0, 8, 0, 1), run(0, 8, 0, 0), run_onednn(0), run_onednn(8));
+               "  ... no C traffic %5.0f  oneDNN's form %5.0f  ... + sink 8 %5.0f\n", run(0, NKB, 0, 1, 0),
+               run(0, NKB, 8, 1, 0), run(1, NKB, 8, 1, 0), run(0, 8, 0, 1, 0), run(0, 8, 0, 0, 0),
+               run(1, NKB, 0, 1, 1), run(1, NKB, 8, 1, 1));
     _tile_release();
     return 0;
 }
