@@ -163,3 +163,39 @@ def test_compile_error_is_reported(tmp_path, monkeypatch):
     with pytest.raises(BuildError, match="failed"):
         build("int f(void) { return syntax error; }", "int f(void);", ())
     assert not entries(tmp_path)
+
+
+def test_builds_on_two_threads_leave_stdout_alone(tmp_path, monkeypatch, capsys):
+    """Two kernels built at once on two threads (as first-use tuning builds its candidates):
+    the process's stdout is the same object afterwards and the builds print nothing. cffi's
+    emit is slowed so that the builds surely overlap; a sys.stdout swapped around it by each
+    build was once left pointing at one build's buffer, and every later print was lost."""
+    import threading
+
+    import cffi
+
+    from autohc.build import build
+    monkeypatch.setenv("AUTOHC_CACHE_DIR", str(tmp_path))
+    emit = cffi.FFI.emit_c_code
+    both_in = threading.Barrier(2)
+
+    def slow_emit(self, filename):
+        both_in.wait(timeout=60)        # (both builds inside the emit at once)
+        emit(self, filename)
+
+    monkeypatch.setattr(cffi.FFI, "emit_c_code", slow_emit)
+    before = sys.stdout
+    libs = [None, None]
+
+    def one(i):
+        libs[i] = build(f"int f{i}(void) {{ return {i + 40}; }}", f"int f{i}(void);", ())
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert sys.stdout is before
+    print("after the builds")
+    assert capsys.readouterr().out == "after the builds\n"
+    assert libs[0].lib.f0() == 40 and libs[1].lib.f1() == 41

@@ -550,6 +550,7 @@ def test_skinny_paths_adaln_shapes(unit_isa, unit):
             bf16_params(isa, 1, skinny_m=16, skinny_unit=unit)
         return
     rng = random.Random(8)
+    prebuild([bf16_params(isa, threads, skinny_m=16, skinny_unit=unit) for threads in (1, 2)])
     for threads in (1, 2):
         p = bf16_params(isa, threads, skinny_m=16, skinny_unit=unit)
         assert get_kernel(p).skinny_unit() == unit
@@ -597,6 +598,10 @@ def test_bf16_out_is_written_by_the_kernel_and_equals_fp32_rounded(unit_isa):
     isa = unit_isa
     from autohc.kernels.gemm.matmul import gemm_bf16_into
     rng = random.Random(31)
+    from autohc.kernels.gemm.kernel import default_kernel_params
+    # (with this CPU's defaults, which gemm_bf16_into and matmul without params run below)
+    prebuild([bf16_params(isa, threads, kc=64, a_outer=a_outer) for threads in (1, 2) for a_outer in (False, True)]
+             + [default_kernel_params(t, isa, "bf16") for t in {1, torch.get_num_threads()}])
     for threads in (1, 2):
         for a_outer in (False, True):
             p = bf16_params(isa, threads, kc=64, a_outer=a_outer)

@@ -125,13 +125,21 @@ def test_process_holds_one_pool_under_install(tmp_path):
         base = default_params(isa, threads).to_dict()
         geos = [(2, 1, 1), (1, 2, 1), (1, 1, 2)]
         probs = dit_problems("dit-s", images=1)
+        tuned = []
         for i, p in enumerate(probs):       # 15 distinct tuned configurations
             jc, ic, jr = geos[i % 3]
             params = default_params(isa, threads).__class__(**{**base, "kc": 64 + 16 * i,
                                                                "jc_ways": jc, "ic_ways": ic, "jr_ways": jr})
             registry.record("gemm", p.layout, p.K, p.N, p.M, threads, params, 1.0, 1.0)
+            tuned.append(params)
         torch.set_num_threads(threads)
         before = len(os.listdir("/proc/self/task"))
+        # (compiled side by side first, gcc on every core; counted from before the builds,
+        # so that a pool started at load would count too)
+        from concurrent.futures import ThreadPoolExecutor
+        from autohc.kernels.gemm.kernel import get_kernel
+        with ThreadPoolExecutor(os.cpu_count() or 2) as pool:
+            list(pool.map(get_kernel, tuned))
         with autohc.installed(threads=threads):
             for p in probs:
                 a, b = p.operands()

@@ -9,12 +9,10 @@ once never leave a torn file.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import importlib.machinery
 import importlib.util
-import io
 import json
 import os
 import shutil
@@ -189,10 +187,12 @@ def _compile(source: str, cdef: str, flags: tuple[str, ...], cc: str, key: str,
     module = _module_name(key)
     ffi = cffi.FFI()
     ffi.cdef(cdef)
-    ffi.set_source(module, source)
+    # compiler_verbose=False: cffi would print 'generating ...'. (Not by swapping sys.stdout
+    # around the call: that is the process's, and two threads building at once, as first-use
+    # tuning does, left it pointing at one build's buffer, every later print lost.)
+    ffi.set_source(module, source, compiler_verbose=False)
     c_file = workdir / f"{module}.c"
-    with contextlib.redirect_stdout(io.StringIO()):   # cffi prints 'generating ...'
-        ffi.emit_c_code(str(c_file))
+    ffi.emit_c_code(str(c_file))
     out = workdir / f"{module}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
     cmd = [cc, *OPT_FLAGS, *flags, "-shared", f"-I{sysconfig.get_paths()['include']}",
            "-o", str(out), str(c_file), "-lpthread"]
