@@ -20,7 +20,7 @@ import torch
 import autohc
 from autohc.hw import cpu
 from autohc.kernels.gemm.codegen import render_gemm
-from autohc.kernels.gemm.kernel import get_kernel, tile_emulation
+from autohc.kernels.gemm.kernel import default_kernel_params, get_kernel, tile_emulation
 from autohc.kernels.gemm.params import GemmParams, ParamError, default_params
 from autohc.kernels.isa import GEMM_ISAS
 from autohc.tune import registry
@@ -598,7 +598,6 @@ def test_bf16_out_is_written_by_the_kernel_and_equals_fp32_rounded(unit_isa):
     isa = unit_isa
     from autohc.kernels.gemm.matmul import gemm_bf16_into
     rng = random.Random(31)
-    from autohc.kernels.gemm.kernel import default_kernel_params
     # (with this CPU's defaults, which gemm_bf16_into and matmul without params run below)
     prebuild([bf16_params(isa, threads, kc=64, a_outer=a_outer) for threads in (1, 2) for a_outer in (False, True)]
              + [default_kernel_params(t, isa, "bf16") for t in {1, torch.get_num_threads()}])
