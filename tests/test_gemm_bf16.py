@@ -382,6 +382,45 @@ def test_amx_prefetches_and_the_sink_change_no_result():
                                   f"{pf} t{threads} {layout} beta {beta} {out_dtype}")
 
 
+@pytest.mark.skipif(not ({"amx", EMULATED_AMX} & set(BF16_UNITS)), reason="needs AMX, real or emulated")
+def test_amx_deferred_epilogue_rounds_every_tile_as_the_fp32_result():
+    """defer_epilogue: a whole bf16 micro-tile (beta 0, no bias) is rounded into C among the
+    next micro-tile's K blocks (from its third, 4 rows a block; the rest after its loop where K
+    has fewer blocks), the last one of a sweep at its end; ragged tiles and a C read with beta
+    are rounded at once; with c_tiles the last K panel takes the earlier panels' fp32 sums into
+    the tiles (alpha 1) and is deferred too, and the next micro-tile's fp32 C is prefetched.
+    With prefetch_next_a (the next A micro-panel into L2 during a sweep) on two of them.
+    Bit for bit the same kernel's fp32 C rounded, and against float64, on K of 2, 10 and more
+    blocks per panel, one and several panels, ragged M and N, alpha 1 and not, 1 and 2 threads."""
+    rng = random.Random(43)
+    with backend("amx" if "amx" in BF16_UNITS else EMULATED_AMX):
+        configs = [bf16_params("amx", t, kc=kc, mc=96, nc=96, a_outer=True, own_rows=own, defer_epilogue=True,
+                               **more, **PACKED_ONLY)
+                   for t, own, kc, more in ((1, True, 320, dict(a_direct=True, prefetch_a=2, sink_every=8, c_tiles=True,
+                                                                prefetch_c=False, prefetch_next_a=True)),
+                                            (2, True, 64, dict(c_tiles=True, prefetch_next_a=True)),
+                                            (2, False, 320, dict(k_unroll=2)))]
+        prebuild(configs)
+        for p in configs:
+            for layout, m, k, n in (("NT", 71, 64, 101), ("NN", 96, 320, 64), ("NT", 64 + 7, 320 * 2 + 64, 96 + 5),
+                                    ("TN", 45, 320, 96)):
+                a, b = operands(layout, m, k, n, rng)
+                a = a.to(torch.bfloat16)
+                for alpha in (1.0, -0.75):
+                    what = f"defer t{p.threads} own_rows {p.own_rows} kc {p.kc} {layout} {m}x{k}x{n} alpha {alpha}"
+                    wide = torch.full((m, n + 9), 7.0, dtype=torch.bfloat16)
+                    out = wide[:, 3:3 + n]
+                    autohc.matmul(a, b, out=out, alpha=alpha, params=p, compute="bf16")
+                    f32 = autohc.matmul(a, b, out=torch.empty(m, n), alpha=alpha, params=p, compute="bf16")
+                    assert torch.equal(out, f32.to(torch.bfloat16)), what
+                    assert (wide[:, :3] == 7).all() and (wide[:, 3 + n:] == 7).all(), what + ": wrote outside C"
+                    check_bf16(out, a.float(), b.float(), torch.zeros(m, n), alpha, 0.0, what)
+                run_and_check(a, b, torch.randn(m, n).to(torch.bfloat16), 0.5, 0.5, p, f"defer beta 0.5 {layout}")
+    for amx_only in ("defer_epilogue", "prefetch_next_a"):
+        with pytest.raises(ParamError, match=amx_only):
+            GemmParams(isa="avx512bf16", vl=16, mr=12, nr=32, dtype="bf16", **{amx_only: True}).validate()
+
+
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 @pytest.mark.parametrize("name", ["avx512bf16", "amx", "amx-emulated", "avx2", "portable"])
 def test_every_bf16_backend_compiles_standalone(name, tmp_path):
@@ -390,7 +429,8 @@ def test_every_bf16_backend_compiles_standalone(name, tmp_path):
     with its tiles emulated (the tests' build of it)."""
     isa, emulated = name.removesuffix("-emulated"), name.endswith("-emulated")
     variants = [(1, False, {}), (2, True, {})] + ([(2, True, {"c_tiles": True, "kc_inner": 128, "sink_every": 8,
-                                                              "a_direct": True}),
+                                                              "a_direct": True, "defer_epilogue": True,
+                                                              "prefetch_a": 2, "prefetch_next_a": True}),
                                                   (1, False, {"prefetch_a": 1, "prefetch_b": 2, "sink_every": 4,
                                                               "k_unroll": 2})]
                                                  if isa == "amx" else [])

@@ -27,10 +27,11 @@ CHOICES: dict[str, tuple] = {
     "isa": tuple(GEMM_ISAS), "dtype": ("fp32", "bf16"), "k_unroll": (1, 2, 4, 8), "depth": (1, 2, 3),
     "prefetch_c": (False, True), "a_outer": (False, True), "own_rows": (False, True),
     "c_tiles": (False, True), "skinny_unit": ("auto", "dot", "fma", "tile"), "a_direct": (False, True),
+    "defer_epilogue": (False, True), "prefetch_next_a": (False, True),
 }
 # fields that to_dict leaves out at these values (each added later: fp32 sets before bf16, ...)
 OMITTED_AT = {"dtype": "fp32", "c_tiles": False, "skinny_unit": "auto", "kc_inner": 0, "sink_every": 0,
-              "a_direct": False}
+              "a_direct": False, "defer_epilogue": False, "prefetch_next_a": False}
 # names of earlier releases, still read from registries written by them
 LEGACY_NAMES = {"clusters": "jc_ways", "tm": "ic_ways", "tn": "jr_ways"}
 RETIRED = {"pin", "spin_us"}       # now the worker pool's (runtime/pool.py), not a kernel's
@@ -91,6 +92,15 @@ class GemmParams:
     # multiple of 32, the A tiles are loaded straight from A's rows (stride: A's row stride)
     # and only a ragged last micro-panel is packed, so A is not copied (templates/gemm)
     a_direct: bool = False
+    # amx only: a whole micro-tile of bf16 C (no bias, beta 0) is rounded into C among the
+    # next micro-tile's K blocks, 4 rows per block, instead of right after its tile stores, so
+    # that the tile loop does not wait behind a whole epilogue at every micro-tile's end
+    # (templates/gemm/ukernel_amx.c.j2; docs/history.md, stop 55)
+    defer_epilogue: bool = False
+    # amx only: while a row panel of C is swept, the next A micro-panel's lines go into L2
+    # (prefetcht1, its rows shared out over the sweep's micro-tiles), as oneDNN's brgemm
+    # kernel does, so that the next sweep's first tiles do not wait for A from L3
+    prefetch_next_a: bool = False
 
     @property
     def threads(self) -> int:
@@ -154,6 +164,12 @@ class GemmParams:
         if self.a_direct and (self.isa != "amx" or not self.a_outer):
             raise ParamError(f"a_direct: A tiles from A's own rows are the amx back-end's, with a_outer; "
                              f"not {self.isa}'s{'' if self.a_outer else ' without a_outer'}")
+        if self.defer_epilogue and self.isa != "amx":
+            raise ParamError(f"defer_epilogue: rounding C among the next tile products is the amx "
+                             f"back-end's, not {self.isa}'s")
+        if self.prefetch_next_a and self.isa != "amx":
+            raise ParamError(f"prefetch_next_a: the next A micro-panel's prefetch is the amx back-end's, "
+                             f"not {self.isa}'s")
         if self.skinny_unit == "tile" and self.isa != "amx":
             raise ParamError(f"skinny_unit='tile': AMX tiles are the amx back-end's, not {self.isa}'s")
         if self.skinny_unit != "auto" and self.isa not in BF16_ISAS:
