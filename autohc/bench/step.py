@@ -321,7 +321,8 @@ def _bench(model, batch, image_size, steps, warmup, modes, say, install_kw, prof
         # self time of their ops (a regression shows in the class it is in)
         split = step_flops_by_class(model, batch, image_size)
         for r in runs:
-            r.profile["gflops"] = {c: round(split[c] / r.profile["seconds"][c] / 1e9, 1)
+            # (3 significant digits: a tiny model's attention runs well under 0.1 GFLOP/s)
+            r.profile["gflops"] = {c: float(f"{split[c] / r.profile['seconds'][c] / 1e9:.3g}")
                                    if r.profile["seconds"][c] > 0 else None for c in split}
         out["profile"] = {r.name: r.profile for r in runs}
     return out
