@@ -139,6 +139,19 @@ def run_and_check(a, b, c0, alpha, beta, params, what):
     check_bf16(out, a, b, c0.float(), alpha, beta, what)
 
 
+def bf16_out_as_fp32_rounded(a, b, alpha, params, what):
+    """C := alpha a b into a bf16 C that is a column slice of a wider tensor (ldc > N), by
+    `params`: bit for bit the same kernel's fp32 C rounded, nothing written outside C."""
+    m, n = a.shape[0], b.shape[1]
+    wide = torch.full((m, n + 9), 7.0, dtype=torch.bfloat16)
+    out = wide[:, 3:3 + n]
+    autohc.matmul(a, b, out=out, alpha=alpha, params=params, compute="bf16")
+    f32 = autohc.matmul(a, b, out=torch.empty(m, n), alpha=alpha, params=params, compute="bf16")
+    assert torch.equal(out, f32.to(torch.bfloat16)), what
+    assert (wide[:, :3] == 7).all() and (wide[:, 3 + n:] == 7).all(), what + ": wrote outside C"
+    return out
+
+
 def test_bf16_rows_at_any_offset_and_stride(isa):
     """bf16 rows contiguous along K (A in NT/NN, W in NT) are transposed in place as 32-bit
     pairs where their stride is even and they start on a 4-byte boundary; an odd element
@@ -408,12 +421,7 @@ def test_amx_deferred_epilogue_rounds_every_tile_as_the_fp32_result():
                 a = a.to(torch.bfloat16)
                 for alpha in (1.0, -0.75):
                     what = f"defer t{p.threads} own_rows {p.own_rows} kc {p.kc} {layout} {m}x{k}x{n} alpha {alpha}"
-                    wide = torch.full((m, n + 9), 7.0, dtype=torch.bfloat16)
-                    out = wide[:, 3:3 + n]
-                    autohc.matmul(a, b, out=out, alpha=alpha, params=p, compute="bf16")
-                    f32 = autohc.matmul(a, b, out=torch.empty(m, n), alpha=alpha, params=p, compute="bf16")
-                    assert torch.equal(out, f32.to(torch.bfloat16)), what
-                    assert (wide[:, :3] == 7).all() and (wide[:, 3 + n:] == 7).all(), what + ": wrote outside C"
+                    out = bf16_out_as_fp32_rounded(a, b, alpha, p, what)
                     check_bf16(out, a.float(), b.float(), torch.zeros(m, n), alpha, 0.0, what)
                 run_and_check(a, b, torch.randn(m, n).to(torch.bfloat16), 0.5, 0.5, p, f"defer beta 0.5 {layout}")
     for amx_only in ("defer_epilogue", "prefetch_next_a"):
@@ -649,14 +657,9 @@ def test_bf16_out_is_written_by_the_kernel_and_equals_fp32_rounded(unit_isa):
                 for li, layout in enumerate(("NT", "NN", "TN")):
                     a, b = operands(layout, m, k, n, rng)
                     a, b = a.to(torch.bfloat16), b if rng.random() < 0.5 else b.to(torch.bfloat16)
-                    wide = torch.full((m, n + 9), 7.0, dtype=torch.bfloat16)
-                    out = wide[:, 3:3 + n]
                     alpha = (-0.75, 1.0)[li % 2]        # (alpha 1: the store without a multiply)
-                    autohc.matmul(a, b, out=out, alpha=alpha, params=p, compute="bf16")
-                    f32 = autohc.matmul(a, b, out=torch.empty(m, n), alpha=alpha, params=p, compute="bf16")
                     what = f"{isa} t{threads} a_outer={a_outer} {layout} {m}x{k}x{n} alpha {alpha}"
-                    assert torch.equal(out, f32.to(torch.bfloat16)), what
-                    assert (wide[:, :3] == 7).all() and (wide[:, 3 + n:] == 7).all(), what + ": wrote outside C"
+                    bf16_out_as_fp32_rounded(a, b, alpha, p, what)
                     if threads == 2 or a_outer:
                         continue            # (the bias: once per shape and layout)
                     bias = torch.randn(n)
