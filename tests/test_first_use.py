@@ -97,7 +97,8 @@ def test_bad_switch_value_is_one_clear_error(fresh, monkeypatch):
 
 def test_an_entry_that_kept_an_earlier_default_is_tuned_again(fresh):
     """A first-use entry records whether it kept the default; where today's default is another
-    configuration (a new release), the problem is tuned again, not pinned to the old one."""
+    configuration (a new release), the problem is tuned again, not pinned to the old one, and
+    `autohc info` says so of the entry."""
     import dataclasses
     from autohc.kernels.gemm import matmul as gm
     from autohc.kernels.gemm.kernel import default_kernel_params
@@ -106,12 +107,20 @@ def test_an_entry_that_kept_an_earlier_default_is_tuned_again(fresh):
     old = dataclasses.replace(today, depth=3 if today.depth != 3 else 2)
     assert old != today
     args = ("gemm", "NT", 384, 1152, 512, threads)
+    from autohc.cli.kernels import _first_use_entries
+
+    def info():                     # autohc info's line of this problem
+        return [line for line in _first_use_entries(registry) if "NT/K384/N1152/M512/t2" in line]
     registry.record(*args, old, 100.0, 100.0, source="first-use", default_gflops=100.0, default_kept=True)
     assert gm.tuned_params(512, 384, 1152, (384, 1), (1, 384), threads) == today       # not `old`
+    assert "an earlier default kept: tuned again on its next use" in info()[0]
     registry.record(*args, old, 100.0, 100.0, source="first-use", default_gflops=100.0)  # older entry
     assert gm.tuned_params(512, 384, 1152, (384, 1), (1, 384), threads) == today
     registry.record(*args, old, 120.0, 100.0, source="first-use", default_gflops=100.0)  # a winner
     assert gm.tuned_params(512, 384, 1152, (384, 1), (1, 384), threads) == old
+    assert "(candidate won;" in info()[0]
+    registry.record(*args, today, 100.0, 100.0, source="first-use", default_gflops=100.0, default_kept=True)
+    assert "(default kept;" in info()[0]                                                # today's default
     registry.record(*args, old, 100.0, 100.0, trials=5)                                  # autohc tune
     assert gm.tuned_params(512, 384, 1152, (384, 1), (1, 384), threads) == old
 

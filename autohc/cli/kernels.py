@@ -109,18 +109,27 @@ def _skinny_line(unit: str | None) -> str:
 
 
 def _first_use_entries(registry) -> list[str]:
-    """Registry entries that first-use tuning recorded: problem, tile and blocks, GFLOP/s."""
+    """Registry entries that first-use tuning recorded: problem, tile and blocks, GFLOP/s; an
+    entry that kept an earlier release's default is said to be tuned again on its next use
+    (as matmul does, kernels/gemm/matmul.py's outdated_default)."""
+    from ..kernels.gemm.matmul import outdated_default
+    from ..kernels.gemm.params import GemmParams, ParamError
     out = []
     for key, e in sorted(registry.entries_for_this_cpu("gemm").items()):
         if e.get("source") != "first-use":
             continue
         p = e.get("params", {})
         kept = e.get("default_kept", e.get("gflops") == e.get("default_gflops"))
+        try:
+            earlier = outdated_default((GemmParams.from_dict(p), e), e.get("threads", 1))
+        except (ParamError, KeyError, TypeError):
+            earlier = False             # (an invalid entry: lookups ignore it too)
+        how = ("an earlier default kept: tuned again on its next use" if earlier
+               else "default kept" if kept else "candidate won")
         ways = f"{p.get('jc_ways', 1)}x{p.get('ic_ways', 1)}x{p.get('jr_ways', 1)}"
         out.append(f"{key}: {p.get('mr')}x{p.get('nr')} kc {p.get('kc')} mc {p.get('mc')} "
                    f"nc {p.get('nc')}{' a_outer' if p.get('a_outer') else ''} ways {ways}, "
-                   f"{e.get('gflops')} GFLOP/s ({'default kept' if kept else 'candidate won'}; "
-                   f"default {e.get('default_gflops')})")
+                   f"{e.get('gflops')} GFLOP/s ({how}; default {e.get('default_gflops')})")
     return out
 
 

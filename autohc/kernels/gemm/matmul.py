@@ -53,7 +53,7 @@ def _chosen_params(m: int, k: int, n: int, sa, sb, threads: int, dtype: str = "f
     if layout is not None:              # (no registry file: lookup answers None)
         M, K, N = registry.linear_dims(layout, m, k, n)
         hit = registry.lookup("gemm", layout, K, N, M, threads, dtype=dtype)
-        if hit is not None and not _outdated_default(hit, threads) and not _drops_skinny_paths(hit[0], M, threads):
+        if hit is not None and not outdated_default(hit, threads) and not _drops_skinny_paths(hit[0], M, threads):
             return hit[0]
         hook = _registry_miss_hook
         if hook is not None:
@@ -70,7 +70,7 @@ def _drops_skinny_paths(params: GemmParams, M: int, threads: int) -> bool:
     return params.skinny_m < M <= default_kernel_params(threads, dtype=params.dtype).skinny_m
 
 
-def _outdated_default(hit, threads: int) -> bool:
+def outdated_default(hit, threads: int) -> bool:
     """A first-use entry that kept the default of its day (`default_kept`; older entries: the
     winner's figure equal to the default's), where today's default is another configuration:
     tuned again on first use, not pinned to an earlier release's default."""
