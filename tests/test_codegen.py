@@ -40,6 +40,7 @@ def test_defaults_are_valid(isa, threads):
     (dict(kc=4096, nc=12288, a_outer=True), "256 MiB"),   # a_outer's B buffer is 1.5 nc + nr wide
     (dict(a_outer=1), "a_outer"),
     (dict(a_outer=True, own_rows=1), "own_rows"),
+    (dict(own_rows_by_k=True), "own_rows_by_k"),
 ])
 def test_invalid_params_rejected(change, message):
     p = dataclasses.replace(default_params("avx2"), **change)

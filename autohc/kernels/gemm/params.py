@@ -27,11 +27,12 @@ CHOICES: dict[str, tuple] = {
     "isa": tuple(GEMM_ISAS), "dtype": ("fp32", "bf16"), "k_unroll": (1, 2, 4, 8), "depth": (1, 2, 3),
     "prefetch_c": (False, True), "a_outer": (False, True), "own_rows": (False, True),
     "c_tiles": (False, True), "skinny_unit": ("auto", "dot", "fma", "tile"), "a_direct": (False, True),
-    "defer_epilogue": (False, True), "prefetch_next_a": (False, True),
+    "defer_epilogue": (False, True), "prefetch_next_a": (False, True), "own_rows_by_k": (False, True),
 }
 # fields that to_dict leaves out at these values (each added later: fp32 sets before bf16, ...)
 OMITTED_AT = {"dtype": "fp32", "c_tiles": False, "skinny_unit": "auto", "kc_inner": 0, "sink_every": 0,
-              "a_direct": False, "defer_epilogue": False, "prefetch_next_a": False}
+              "a_direct": False, "defer_epilogue": False, "prefetch_next_a": False,
+              "own_rows_by_k": False}
 # names of earlier releases, still read from registries written by them
 LEGACY_NAMES = {"clusters": "jc_ways", "tm": "ic_ways", "tn": "jr_ways"}
 RETIRED = {"pin", "spin_us"}       # now the worker pool's (runtime/pool.py), not a kernel's
@@ -63,6 +64,11 @@ class GemmParams:
     # a_outer only: the threads of a JC way take their own rows of A (each packing all of B)
     # where B is small beside A (threads * N <= M), instead of sharing the way's A blocks
     own_rows: bool = False
+    # own_rows only, and only where K is short enough for an A micro-panel (MR x K) to stay
+    # in 32 KB of L1, or takes several K panels; in between (K in one panel, past L1) the
+    # way's threads share A blocks and split N, packing B once between them (measured on an
+    # AMX Xeon at 2 threads: 1.01-1.09x own rows there, 0.84-0.98x below; gemm.c.j2)
+    own_rows_by_k: bool = False
     # "bf16": products of bf16 operands (bf16 inputs, or fp32 ones rounded to bf16 while
     # packing) accumulated in fp32, on vdpbf16ps (isa avx512bf16), AMX tiles (isa amx) or,
     # on any other back-end, the fp32 micro-kernel on operands widened back to fp32
@@ -164,6 +170,8 @@ class GemmParams:
         if self.a_direct and (self.isa != "amx" or not self.a_outer):
             raise ParamError(f"a_direct: A tiles from A's own rows are the amx back-end's, with a_outer; "
                              f"not {self.isa}'s{'' if self.a_outer else ' without a_outer'}")
+        if self.own_rows_by_k and not (self.a_outer and self.own_rows):
+            raise ParamError("own_rows_by_k: limits own rows by K; needs a_outer and own_rows")
         if self.defer_epilogue and self.isa != "amx":
             raise ParamError(f"defer_epilogue: rounding C among the next tile products is the amx "
                              f"back-end's, not {self.isa}'s")
