@@ -407,6 +407,37 @@ def test_own_rows_by_k_gives_own_rows_results_bit_for_bit():
 
 
 @pytest.mark.skipif(not ({"amx", EMULATED_AMX} & set(BF16_UNITS)), reason="needs AMX, real or emulated")
+def test_stream_b_k_changes_no_result():
+    """stream_b_k: where the whole K is one panel of at most stream_b_k, the tile loop loads B
+    by tileloaddt1 and prefetches no A; elsewhere (K past it, several panels) the loop is as
+    before. Bit-identical C to the same kernel without it, NT/NN (A from its rows, ragged
+    rows packed) and TN, 1 and 2 threads, K one block, several, at the bound and past it,
+    bf16 and fp32 out, against float64."""
+    rng = random.Random(59)
+    with backend("amx" if "amx" in BF16_UNITS else EMULATED_AMX):
+        pairs = [tuple(bf16_params("amx", t, kc=256, mc=96, nc=96, a_outer=True, a_direct=True, prefetch_a=2,
+                                   stream_b_k=sb, **PACKED_ONLY) for sb in (0, 160))
+                 for t in (1, 2)]
+        prebuild([p for pair in pairs for p in pair])
+        for base, streamed in pairs:
+            for layout, m, k, n in (("NT", 71, 32, 45), ("NN", 96, 160, 33), ("NT", 64 + 5, 150, 101),
+                                    ("TN", 45, 96, 40), ("NT", 33, 192, 17), ("NN", 71, 300, 45)):
+                a, b = operands(layout, m, k, n, rng)
+                a, b = a.to(torch.bfloat16), b.to(torch.bfloat16)
+                for out_dtype in (torch.bfloat16, torch.float32):
+                    outs = []
+                    for p in (streamed, base):
+                        out = torch.zeros(m, n, dtype=out_dtype)
+                        autohc.matmul(a, b, out=out, params=p)
+                        outs.append(out)
+                    what = f"stream_b_k t{base.threads} {layout} {m}x{k}x{n} {out_dtype}"
+                    assert torch.equal(outs[0], outs[1]), what
+                    check_bf16(outs[0], a.float(), b.float(), torch.zeros(m, n), 1.0, 0.0, what)
+    with pytest.raises(ParamError, match="stream_b_k"):
+        GemmParams(isa="avx512bf16", vl=16, mr=12, nr=32, dtype="bf16", stream_b_k=512).validate()
+
+
+@pytest.mark.skipif(not ({"amx", EMULATED_AMX} & set(BF16_UNITS)), reason="needs AMX, real or emulated")
 def test_amx_prefetches_and_the_sink_change_no_result():
     """prefetch_a/b (tiles K blocks ahead), prefetch_c (C's lines as the call starts, fp32
     or bf16, read or only written) and sink_every (an A tile stored to the stack every that
@@ -469,7 +500,8 @@ def test_every_bf16_backend_compiles_standalone(name, tmp_path):
     isa, emulated = name.removesuffix("-emulated"), name.endswith("-emulated")
     variants = [(1, False, {}), (2, True, {})] + ([(2, True, {"c_tiles": True, "kc_inner": 128, "sink_every": 8,
                                                               "a_direct": True, "defer_epilogue": True,
-                                                              "prefetch_a": 2, "prefetch_next_a": True}),
+                                                              "prefetch_a": 2, "prefetch_next_a": True,
+                                                              "own_rows_by_k": True, "stream_b_k": 1024}),
                                                   (1, False, {"prefetch_a": 1, "prefetch_b": 2, "sink_every": 4,
                                                               "k_unroll": 2})]
                                                  if isa == "amx" else [])

@@ -21,7 +21,7 @@ RANGES: dict[str, tuple[int, int]] = {
     "mr": (1, 64), "nr": (4, 128), "kc": (4, 4096), "mc": (1, 16384), "nc": (4, 65536),
     "jc_ways": (1, 256), "ic_ways": (1, 256), "jr_ways": (1, 256),
     "prefetch_a": (0, 32), "prefetch_b": (0, 32), "skinny_m": (0, 64), "kc_inner": (0, 4096),
-    "sink_every": (0, 64),
+    "sink_every": (0, 64), "stream_b_k": (0, 4096),
 }
 CHOICES: dict[str, tuple] = {
     "isa": tuple(GEMM_ISAS), "dtype": ("fp32", "bf16"), "k_unroll": (1, 2, 4, 8), "depth": (1, 2, 3),
@@ -32,7 +32,7 @@ CHOICES: dict[str, tuple] = {
 # fields that to_dict leaves out at these values (each added later: fp32 sets before bf16, ...)
 OMITTED_AT = {"dtype": "fp32", "c_tiles": False, "skinny_unit": "auto", "kc_inner": 0, "sink_every": 0,
               "a_direct": False, "defer_epilogue": False, "prefetch_next_a": False,
-              "own_rows_by_k": False}
+              "own_rows_by_k": False, "stream_b_k": 0}
 # names of earlier releases, still read from registries written by them
 LEGACY_NAMES = {"clusters": "jc_ways", "tm": "ic_ways", "tn": "jr_ways"}
 RETIRED = {"pin", "spin_us"}       # now the worker pool's (runtime/pool.py), not a kernel's
@@ -107,6 +107,11 @@ class GemmParams:
     # (prefetcht1, its rows shared out over the sweep's micro-tiles), as oneDNN's brgemm
     # kernel does, so that the next sweep's first tiles do not wait for A from L3
     prefetch_next_a: bool = False
+    # amx only (0: off): K panels of at most this many K run the tile loop with B's tiles by
+    # tileloaddt1 (not reused soon) and no A prefetch, so that a sweep's stream of B
+    # micro-panels does not push A's micro-panel out of L1 (templates/gemm/ukernel_amx.c.j2;
+    # docs/history.md, stop 57)
+    stream_b_k: int = 0
 
     @property
     def threads(self) -> int:
@@ -178,6 +183,9 @@ class GemmParams:
         if self.prefetch_next_a and self.isa != "amx":
             raise ParamError(f"prefetch_next_a: the next A micro-panel's prefetch is the amx back-end's, "
                              f"not {self.isa}'s")
+        if self.stream_b_k and self.isa != "amx":
+            raise ParamError(f"stream_b_k={self.stream_b_k}: B's tiles by tileloaddt1 are the amx back-end's, "
+                             f"not {self.isa}'s; must be 0")
         if self.skinny_unit == "tile" and self.isa != "amx":
             raise ParamError(f"skinny_unit='tile': AMX tiles are the amx back-end's, not {self.isa}'s")
         if self.skinny_unit != "auto" and self.isa not in BF16_ISAS:
