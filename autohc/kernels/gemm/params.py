@@ -107,10 +107,10 @@ class GemmParams:
     # (prefetcht1, its rows shared out over the sweep's micro-tiles), as oneDNN's brgemm
     # kernel does, so that the next sweep's first tiles do not wait for A from L3
     prefetch_next_a: bool = False
-    # amx only (0: off): K panels of at most this many K run the tile loop with B's tiles by
-    # tileloaddt1 (not reused soon) and no A prefetch, so that a sweep's stream of B
-    # micro-panels does not push A's micro-panel out of L1 (templates/gemm/ukernel_amx.c.j2;
-    # docs/history.md, stop 57)
+    # amx with a_outer only (0: off): where the whole K is one panel of at most this many K,
+    # the tile loop loads B's tiles by tileloaddt1 (not reused soon) and prefetches no A, so
+    # that a sweep's stream of B micro-panels does not push A's micro-panel out of L1
+    # (templates/gemm/ukernel_amx.c.j2; docs/history.md, stop 57)
     stream_b_k: int = 0
 
     @property
@@ -183,9 +183,9 @@ class GemmParams:
         if self.prefetch_next_a and self.isa != "amx":
             raise ParamError(f"prefetch_next_a: the next A micro-panel's prefetch is the amx back-end's, "
                              f"not {self.isa}'s")
-        if self.stream_b_k and self.isa != "amx":
+        if self.stream_b_k and (self.isa != "amx" or not self.a_outer):
             raise ParamError(f"stream_b_k={self.stream_b_k}: B's tiles by tileloaddt1 are the amx back-end's, "
-                             f"not {self.isa}'s; must be 0")
+                             f"with a_outer; not {self.isa}'s{'' if self.a_outer else ' without a_outer'}; must be 0")
         if self.skinny_unit == "tile" and self.isa != "amx":
             raise ParamError(f"skinny_unit='tile': AMX tiles are the amx back-end's, not {self.isa}'s")
         if self.skinny_unit != "auto" and self.isa not in BF16_ISAS:
