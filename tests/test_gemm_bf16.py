@@ -5,6 +5,7 @@ plus, for a bf16 out, its one final rounding (2^-8 of the value). Every back-end
 is fuzzed (AVX512_BF16, AMX where present, and the widened fp32 fallback); on a CPU with
 AVX512_BF16 but no AMX the AMX back-end runs too, its tile instructions emulated in C and
 checked as the CPU checks them (gemm/amx_emulated.h.j2); what a CPU cannot run is compiled."""
+import dataclasses
 import contextlib
 import os
 import random
@@ -21,6 +22,7 @@ import autohc
 from autohc.hw import cpu
 from autohc.kernels.gemm.codegen import render_gemm
 from autohc.kernels.gemm.kernel import default_kernel_params, get_kernel, tile_emulation
+from autohc.kernels.gemm.matmul import _run_bf16c, operand_raw
 from autohc.kernels.gemm.params import GemmParams, ParamError, default_params
 from autohc.kernels.isa import GEMM_ISAS
 from autohc.tune import registry
@@ -459,7 +461,7 @@ def test_amx_prefetches_and_the_sink_change_no_result():
 
 @pytest.mark.skipif(not ({"amx", EMULATED_AMX} & set(BF16_UNITS)), reason="needs AMX, real or emulated")
 def test_amx_deferred_epilogue_rounds_every_tile_as_the_fp32_result():
-    """defer_epilogue: a whole bf16 micro-tile (beta 0, no bias) is rounded into C among the
+    """defer_epilogue: a whole bf16 micro-tile (beta 0, or a bias) is rounded into C among the
     next micro-tile's K blocks (from its third, 4 rows a block; the rest after its loop where K
     has fewer blocks), the last one of a sweep at its end; ragged tiles and a C read with beta
     are rounded at once; with c_tiles the last K panel takes the earlier panels' fp32 sums into
@@ -486,6 +488,15 @@ def test_amx_deferred_epilogue_rounds_every_tile_as_the_fp32_result():
                     out = bf16_out_as_fp32_rounded(a, b, alpha, p, what)
                     check_bf16(out, a.float(), b.float(), torch.zeros(m, n), alpha, 0.0, what)
                 run_and_check(a, b, torch.randn(m, n).to(torch.bfloat16), 0.5, 0.5, p, f"defer beta 0.5 {layout}")
+                # a Linear's bias (beta scales it): deferred as well, the same bits as at once
+                bias = torch.randn(n)
+                outs = [torch.zeros(m, n, dtype=torch.bfloat16) for _ in range(2)]
+                for q, out in zip((p, dataclasses.replace(p, defer_epilogue=False)), outs):
+                    assert _run_bf16c("torch", a, b, operand_raw(a), operand_raw(b), operand_raw(out), 0.5,
+                                      q.threads, q, bias, -2.0)
+                what = f"defer bias t{p.threads} {layout} {m}x{k}x{n}"
+                assert torch.equal(outs[0], outs[1]), what
+                check_bf16(outs[0], a.float(), b.float(), bias.expand(m, n), 0.5, -2.0, what)
     for amx_only in ("defer_epilogue", "prefetch_next_a"):
         with pytest.raises(ParamError, match=amx_only):
             GemmParams(isa="avx512bf16", vl=16, mr=12, nr=32, dtype="bf16", **{amx_only: True}).validate()
