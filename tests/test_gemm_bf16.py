@@ -408,6 +408,26 @@ def test_own_rows_by_k_gives_own_rows_results_bit_for_bit():
         bf16_params("amx", 2, own_rows=False, own_rows_by_k=True)
 
 
+def check_pairs(name, pairs, shapes, rng, bitwise):
+    """Each (new, old) pair of kernels on each shape, bf16 and fp32 out: the new one's C against
+    float64, and bit-identical to the old one's where bitwise(m, n, new) holds."""
+    prebuild([p for pair in pairs for p in pair])
+    for new, old in pairs:
+        for layout, m, k, n in shapes:
+            a, b = operands(layout, m, k, n, rng)
+            a, b = a.to(torch.bfloat16), b.to(torch.bfloat16)
+            for out_dtype in (torch.bfloat16, torch.float32):
+                outs = []
+                for p in (new, old):
+                    out = torch.zeros(m, n, dtype=out_dtype)
+                    autohc.matmul(a, b, out=out, params=p)
+                    outs.append(out)
+                what = f"{name} t{new.threads} {layout} {m}x{k}x{n} {out_dtype}"
+                check_bf16(outs[0], a.float(), b.float(), torch.zeros(m, n), 1.0, 0.0, what)
+                if bitwise(m, n, new):
+                    assert torch.equal(outs[0], outs[1]), what
+
+
 @pytest.mark.skipif(not ({"amx", EMULATED_AMX} & set(BF16_UNITS)), reason="needs AMX, real or emulated")
 def test_stream_b_k_changes_no_result():
     """stream_b_k: where the whole K is one panel of at most stream_b_k, the tile loop loads B
@@ -420,23 +440,34 @@ def test_stream_b_k_changes_no_result():
         pairs = [tuple(bf16_params("amx", t, kc=256, mc=96, nc=96, a_outer=True, a_direct=True, prefetch_a=2,
                                    stream_b_k=sb, **PACKED_ONLY) for sb in (0, 160))
                  for t in (1, 2)]
-        prebuild([p for pair in pairs for p in pair])
-        for base, streamed in pairs:
-            for layout, m, k, n in (("NT", 71, 32, 45), ("NN", 96, 160, 33), ("NT", 64 + 5, 150, 101),
-                                    ("TN", 45, 96, 40), ("NT", 33, 192, 17), ("NN", 71, 300, 45)):
-                a, b = operands(layout, m, k, n, rng)
-                a, b = a.to(torch.bfloat16), b.to(torch.bfloat16)
-                for out_dtype in (torch.bfloat16, torch.float32):
-                    outs = []
-                    for p in (streamed, base):
-                        out = torch.zeros(m, n, dtype=out_dtype)
-                        autohc.matmul(a, b, out=out, params=p)
-                        outs.append(out)
-                    what = f"stream_b_k t{base.threads} {layout} {m}x{k}x{n} {out_dtype}"
-                    assert torch.equal(outs[0], outs[1]), what
-                    check_bf16(outs[0], a.float(), b.float(), torch.zeros(m, n), 1.0, 0.0, what)
+        pairs = [(streamed, base) for base, streamed in pairs]
+        check_pairs("stream_b_k", pairs, (("NT", 71, 32, 45), ("NN", 96, 160, 33), ("NT", 64 + 5, 150, 101),
+                                          ("TN", 45, 96, 40), ("NT", 33, 192, 17), ("NN", 71, 300, 45)),
+                    rng, lambda m, n, p: True)
     with pytest.raises(ParamError, match="stream_b_k"):
         GemmParams(isa="avx512bf16", vl=16, mr=12, nr=32, dtype="bf16", stream_b_k=512).validate()
+
+
+@pytest.mark.skipif(not ({"amx", EMULATED_AMX} & set(BF16_UNITS)), reason="needs AMX, real or emulated")
+def test_one_panel_k_takes_k_whole_with_the_panels_results():
+    """one_panel_k: where A's tiles come from its rows (NT/NN, bf16, K whole blocks of 32) and
+    K is at most one_panel_k, K is one panel past kc (buffers sized for it, a ragged last
+    micro-panel packed at that K, shared A blocks at 2 threads); elsewhere (K past it, K not
+    whole blocks, TN) panels of kc as before. Against float64 everywhere; where every tile is
+    whole, the fp32 sums go through the tiles either way, so C is bit-identical to the kernel
+    with panels of kc. 1 and 2 threads, bf16 and fp32 out."""
+    rng = random.Random(61)
+    with backend("amx" if "amx" in BF16_UNITS else EMULATED_AMX):
+        pairs = [tuple(bf16_params("amx", t, kc=128, mc=96, nc=96, a_outer=True, a_direct=True, c_tiles=True,
+                                   defer_epilogue=True, own_rows=True, own_rows_by_k=True, one_panel_k=opk,
+                                   **PACKED_ONLY) for opk in (320, 0))
+                 for t in (1, 2)]
+        check_pairs("one_panel_k", pairs, (("NT", 64, 256, 64), ("NN", 96, 320, 64), ("NT", 71, 288, 45),
+                                           ("NN", 64, 96, 32), ("NT", 64, 352, 64), ("NT", 45, 150, 40),
+                                           ("TN", 64, 256, 64)),
+                    rng, lambda m, n, p: m % p.mr == 0 and n % p.nr == 0)
+    with pytest.raises(ParamError, match="one_panel_k"):
+        bf16_params("amx", 1, a_outer=False, a_direct=False, one_panel_k=2304)
 
 
 @pytest.mark.skipif(not ({"amx", EMULATED_AMX} & set(BF16_UNITS)), reason="needs AMX, real or emulated")
@@ -512,7 +543,8 @@ def test_every_bf16_backend_compiles_standalone(name, tmp_path):
     variants = [(1, False, {}), (2, True, {})] + ([(2, True, {"c_tiles": True, "kc_inner": 128, "sink_every": 8,
                                                               "a_direct": True, "defer_epilogue": True,
                                                               "prefetch_a": 2, "prefetch_next_a": True,
-                                                              "own_rows_by_k": True, "stream_b_k": 1024}),
+                                                              "own_rows_by_k": True, "stream_b_k": 1024,
+                                                              "one_panel_k": 2304}),
                                                   (1, False, {"prefetch_a": 1, "prefetch_b": 2, "sink_every": 4,
                                                               "k_unroll": 2})]
                                                  if isa == "amx" else [])

@@ -21,7 +21,7 @@ RANGES: dict[str, tuple[int, int]] = {
     "mr": (1, 64), "nr": (4, 128), "kc": (4, 4096), "mc": (1, 16384), "nc": (4, 65536),
     "jc_ways": (1, 256), "ic_ways": (1, 256), "jr_ways": (1, 256),
     "prefetch_a": (0, 32), "prefetch_b": (0, 32), "skinny_m": (0, 64), "kc_inner": (0, 4096),
-    "sink_every": (0, 64), "stream_b_k": (0, 4096),
+    "sink_every": (0, 64), "stream_b_k": (0, 4096), "one_panel_k": (0, 8192),
 }
 CHOICES: dict[str, tuple] = {
     "isa": tuple(GEMM_ISAS), "dtype": ("fp32", "bf16"), "k_unroll": (1, 2, 4, 8), "depth": (1, 2, 3),
@@ -32,7 +32,7 @@ CHOICES: dict[str, tuple] = {
 # fields that to_dict leaves out at these values (each added later: fp32 sets before bf16, ...)
 OMITTED_AT = {"dtype": "fp32", "c_tiles": False, "skinny_unit": "auto", "kc_inner": 0, "sink_every": 0,
               "a_direct": False, "defer_epilogue": False, "prefetch_next_a": False,
-              "own_rows_by_k": False, "stream_b_k": 0}
+              "own_rows_by_k": False, "stream_b_k": 0, "one_panel_k": 0}
 # names of earlier releases, still read from registries written by them
 LEGACY_NAMES = {"clusters": "jc_ways", "tm": "ic_ways", "tn": "jr_ways"}
 RETIRED = {"pin", "spin_us"}       # now the worker pool's (runtime/pool.py), not a kernel's
@@ -112,6 +112,11 @@ class GemmParams:
     # that a sweep's stream of B micro-panels does not push A's micro-panel out of L1
     # (templates/gemm/ukernel_amx.c.j2; docs/history.md, stop 57)
     stream_b_k: int = 0
+    # amx with a_outer only (0: off): where A's tiles come straight from its rows (a_direct;
+    # without it this does nothing) and the whole K is at most this many K, K is one panel
+    # even past kc, so that no fp32 partial sums of C are written and read back between
+    # panels; B's chunks keep kc x nc's size (templates/gemm/gemm.c.j2; docs/history.md, stop 58)
+    one_panel_k: int = 0
 
     @property
     def threads(self) -> int:
@@ -186,6 +191,9 @@ class GemmParams:
         if self.stream_b_k and (self.isa != "amx" or not self.a_outer):
             raise ParamError(f"stream_b_k={self.stream_b_k}: B's tiles by tileloaddt1 are the amx back-end's, "
                              f"with a_outer; not {self.isa}'s{'' if self.a_outer else ' without a_outer'}; must be 0")
+        if self.one_panel_k and (self.isa != "amx" or not self.a_outer):
+            raise ParamError(f"one_panel_k={self.one_panel_k}: one K panel past kc is the amx back-end's, with "
+                             f"a_outer (where a_direct takes A's tiles from its rows); must be 0")
         if self.skinny_unit == "tile" and self.isa != "amx":
             raise ParamError(f"skinny_unit='tile': AMX tiles are the amx back-end's, not {self.isa}'s")
         if self.skinny_unit != "auto" and self.isa not in BF16_ISAS:
