@@ -468,6 +468,8 @@ def test_one_panel_k_takes_k_whole_with_the_panels_results():
                     rng, lambda m, n, p: m % p.mr == 0 and n % p.nr == 0)
     with pytest.raises(ParamError, match="one_panel_k"):
         bf16_params("amx", 1, a_outer=False, a_direct=False, one_panel_k=2304)
+    with pytest.raises(ParamError, match="256 MiB"):     # the buffers hold one_panel_k's K
+        bf16_params("amx", 1, a_outer=True, a_direct=True, mc=16384, one_panel_k=8192)
 
 
 @pytest.mark.skipif(not ({"amx", EMULATED_AMX} & set(BF16_UNITS)), reason="needs AMX, real or emulated")

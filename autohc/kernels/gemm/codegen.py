@@ -20,6 +20,7 @@ def render_gemm(params: GemmParams, emulate_tiles: bool = False) -> str:
     ctx = dataclasses.asdict(p)                # every field (to_dict leaves some out at their defaults)
     ctx["emulate_tiles"] = bool(emulate_tiles)
     ctx["fn"] = p.symbol
+    ctx["buffer_k"] = p.buffer_k
     ctx["regs"] = GEMM_ISAS[p.isa].registers  # sizes the skinny path's register tile
     ctx["params_comment"] = ", ".join(f"{k}={v}" for k, v in sorted(p.to_dict().items()))
     return environment().get_template("gemm/gemm.c.j2").render(**ctx)

@@ -213,9 +213,16 @@ class GemmParams:
         if self.threads > MAX_THREADS:
             raise ParamError(f"jc_ways*ic_ways*jr_ways = {self.threads} threads; at most {MAX_THREADS}")
         b_cols = self.nc + self.nc // 2 + self.nr if self.a_outer else self.nc  # gemm.c.j2: B_COLS
-        if self.kc * b_cols > MAX_BUFFER_FLOATS or self.mc * self.kc > MAX_BUFFER_FLOATS:
-            raise ParamError("packed panel larger than 256 MiB: lower kc, mc or nc")
+        if self.buffer_k * b_cols > MAX_BUFFER_FLOATS or self.mc * self.buffer_k > MAX_BUFFER_FLOATS:
+            raise ParamError("packed panel larger than 256 MiB: lower kc, one_panel_k, mc or nc")
         return self
+
+    @property
+    def buffer_k(self) -> int:
+        """K that the panel buffers hold (gemm.c.j2's KC_MAX): kc, or one_panel_k rounded up to
+        whole blocks of 32 where A's tiles come from its rows and it is past kc."""
+        one = -(-self.one_panel_k // 32) * 32 if self.a_direct else 0
+        return max(self.kc, one)
 
     def to_dict(self) -> dict:
         """The fields, less those added after the first release at their off values: a set
