@@ -36,6 +36,20 @@ def set_blas_threads(threads: int):
     return undo
 
 
+COLD_MB = 64
+
+
+def cache_evictor(mb: int = COLD_MB):
+    """An element-wise op over `mb` MB (half read, half written) on torch's threads, for
+    `--cold`: run before each timed call, it leaves A, B and C out of the cores' L1 and L2 (and
+    of an L3 share smaller than that), as the ops between a training step's GEMMs do, where
+    back-to-back calls find them in L2 (measured on an AMX Xeon: the step's K = 384 GEMMs ran
+    1500-1970 GFLOP/s against 2600-2900 back to back; docs/history.md, stop 58)."""
+    src = torch.ones(mb * 2**20 // 8)
+    dst = torch.empty_like(src)
+    return lambda: torch.mul(src, 1.0001, out=dst)
+
+
 @dataclass
 class GemmRow:
     name: str
@@ -64,8 +78,9 @@ class GemmRow:
 
 def bench_problem(p: GemmProblem, threads: int, *, repeats: int = 7, params: GemmParams | None = None,
                   peak_per_core: float | None = None, target_seconds: float = 0.25,
-                  with_numpy: bool = True, dtype: str = "fp32") -> GemmRow:
-    """Time one problem for autohc, torch and numpy by the timing protocol (bench/timing.py)."""
+                  with_numpy: bool = True, dtype: str = "fp32", cold: bool = False) -> GemmRow:
+    """Time one problem for autohc, torch and numpy by the timing protocol (bench/timing.py);
+    cold: each timed call after cache_evictor's op (untimed)."""
     a, b = p.operands()
     # the layout of the operands in the GEMM sense: result is (a.rows, b.cols)
     M, K = a.shape
@@ -100,7 +115,8 @@ def bench_problem(p: GemmProblem, threads: int, *, repeats: int = 7, params: Gem
         del fns["numpy"]
     undo = set_blas_threads(threads)
     try:
-        times = timing.interleaved(fns, samples=repeats, max_seconds=20 * target_seconds)
+        times = timing.interleaved(fns, samples=repeats, max_seconds=20 * target_seconds,
+                                   before=cache_evictor() if cold else None)
     finally:
         undo()
     g = {k: p.flops / v.median / 1e9 for k, v in times.items()}
@@ -133,12 +149,14 @@ def numpy_blas() -> str:
 
 
 def bench_gemm(model: str = "dit-xl", threads: int = 1, *, repeats: int = 7, progress=None,
-               images: int = 8, first_use_tuning: bool = True, dtype: str = "fp32") -> dict:
+               images: int = 8, first_use_tuning: bool = True, dtype: str = "fp32",
+               cold: bool = False) -> dict:
     """All DiT training GEMMs of `model` at `threads`; the JSON object of `autohc bench gemm`.
     With first-use tuning (as install() has it), a problem the registry lacks is tuned first,
     that time reported apart (`tuning_s`), then what matmul runs after it is timed.
     dtype bf16: the bf16 kernels (tuned with `autohc tune --dtype bf16`, else the default) on
-    this CPU's bf16 back-end, % of its bf16 peak (the tile peak on AMX, else the dot one)."""
+    this CPU's bf16 back-end, % of its bf16 peak (the tile peak on AMX, else the dot one).
+    cold: every timed call after an untimed op that evicts the caches (cache_evictor)."""
     from .peak import bf16_backend_peak, fma_peak_gflops
     extra = {}
     if dtype == "bf16":
@@ -157,7 +175,7 @@ def bench_gemm(model: str = "dit-xl", threads: int = 1, *, repeats: int = 7, pro
     first_use.enable(first_use_tuning)
     try:
         for p in dit_problems(model, images):
-            rows.append(bench_problem(p, threads, repeats=repeats, peak_per_core=peak, dtype=dtype))
+            rows.append(bench_problem(p, threads, repeats=repeats, peak_per_core=peak, dtype=dtype, cold=cold))
             if progress:
                 progress(rows[-1])
     finally:
@@ -166,6 +184,7 @@ def bench_gemm(model: str = "dit-xl", threads: int = 1, *, repeats: int = 7, pro
         "model": model, "threads": threads, "isa": isa, "cpu": cpu.detect().model,
         "fingerprint": cpu.detect().fingerprint, "peak_gflops_per_core": round(peak, 1),
         "torch_version": torch.__version__, "numpy_version": np.__version__, "numpy_blas": numpy_blas(),
+        "caches": f"cold ({COLD_MB} MB op before each call)" if cold else "warm (calls back to back)",
         "rows": [asdict(r) for r in rows],
         "geomean_speedup_vs_torch": round(geomean(r.speedup_vs_torch for r in rows), 3),
         "geomean_speedup_vs_numpy": round(geomean(r.speedup_vs_numpy for r in rows), 3),

@@ -11,6 +11,10 @@ all measure with it.
   library's thread pool still spinning from its last call does not fall on the timed ones.
 - The figure is the median over samples of the seconds per call, with the spread beside it:
   the interquartile range over the median (0.05 = 5 %).
+- Cold caches (`before`, `autohc bench gemm --cold`): a callable runs untimed before every
+  timed call (an element-wise op over more memory than the caches hold, as a training step
+  runs between its GEMMs), so each call is timed on its own and the samples hold at most
+  COLD_CALLS calls.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from typing import Callable
 
 MIN_SAMPLE_S = 0.02         # seconds of back-to-back calls per sample
 MAX_CALLS = 1000
+COLD_CALLS = 8              # calls per sample at most where each has an untimed `before`
 
 
 @dataclass
@@ -56,15 +61,18 @@ def _calls_for(fn: Callable[[], object], min_sample_s: float) -> int:
 
 def interleaved(fns: dict[str, Callable[[], object]], *, samples: int = 7, warmup: int = 2,
                 min_sample_s: float = MIN_SAMPLE_S, max_seconds: float | None = None,
-                min_samples: int = 3) -> dict[str, Timing]:
+                min_samples: int = 3, before: Callable[[], object] | None = None) -> dict[str, Timing]:
     """Time each callable by the protocol above; returns {name: Timing} (seconds per call).
-    `max_seconds` stops after `min_samples` rounds once that much time has gone by."""
+    `max_seconds` stops after `min_samples` rounds once that much time has gone by.
+    `before`: run untimed before every timed call (cold caches: see above)."""
     if not fns:
         return {}
     for _ in range(warmup):
         for f in fns.values():
             f()
     calls = {k: _calls_for(f, min_sample_s) for k, f in fns.items()}
+    if before is not None:
+        calls = {k: min(n, COLD_CALLS) for k, n in calls.items()}
     names = list(fns)
     taken: dict[str, list[float]] = {k: [] for k in names}
     deadline = None if max_seconds is None else time.perf_counter() + max_seconds
@@ -73,10 +81,19 @@ def interleaved(fns: dict[str, Callable[[], object]], *, samples: int = 7, warmu
         for k in order:
             f, n = fns[k], calls[k]
             f()                                     # untimed: the switch from another callable
-            t0 = time.perf_counter()
+            if before is None:
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    f()
+                taken[k].append((time.perf_counter() - t0) / n)
+                continue
+            spent = 0.0
             for _ in range(n):
+                before()
+                t0 = time.perf_counter()
                 f()
-            taken[k].append((time.perf_counter() - t0) / n)
+                spent += time.perf_counter() - t0
+            taken[k].append(spent / n)
         if deadline is not None and r + 1 >= min_samples and time.perf_counter() > deadline:
             break
     return {k: summarize(v, calls[k]) for k, v in taken.items()}

@@ -195,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "GEMMs of one DiT block at M = images x 256 tokens (adaLN: M = images), "
                     "interleaved, median of repeats, at each thread count asked for.",
         epilog="examples:\n  autohc bench gemm --model dit-xl --threads 1 2 --json\n"
-               "  autohc bench gemm --model dit-xl --threads 1 2 --dtype bf16")
+               "  autohc bench gemm --model dit-xl --threads 1 2 --dtype bf16\n"
+               "  autohc bench gemm --model dit-s --threads 2 --dtype bf16 --cold")
     g.add_argument("--model", default="dit-xl", choices=["dit-s", "dit-b", "dit-l", "dit-xl"],
                    help="DiT size (default: dit-xl, hidden 1152)")
     g.add_argument("--threads", type=positive_int, nargs="+", default=[1],
@@ -207,6 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bf16: autohc's bf16 kernels (bf16 inputs and C) against torch's bf16 "
                         "matmul (oneDNN, bf16 C) and the fp32 libraries (MKL, OpenBLAS), with "
                         "%% of the bf16 peak; default fp32")
+    g.add_argument("--cold", action="store_true",
+                   help="cold caches: before every timed call an untimed element-wise op over 64 MB "
+                        "on the same threads evicts A, B and C from L1 and L2, as the ops between a "
+                        "training step's GEMMs do (default: calls back to back, operands warm)")
     g.add_argument("--json", action="store_true",
                    help="print JSON (one object per thread count) instead of tables")
     add_save_argument(g)

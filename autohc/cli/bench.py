@@ -134,7 +134,8 @@ def cmd_bench_gemm(args) -> int:
             task = progress.add_task(f"{args.model} GEMMs, {threads} thread(s)", total=n)
             r = bench_gemm(args.model, threads, repeats=args.repeats, images=args.images,
                            first_use_tuning=not args.no_first_use_tuning,
-                           progress=lambda _row, t=task: progress.advance(t), dtype=args.dtype)
+                           progress=lambda _row, t=task: progress.advance(t), dtype=args.dtype,
+                           cold=args.cold)
             r["wait_policy"] = "contended" if args.contended else "passive"
             results.append(r)
     _save(rec, results, max(args.threads))
@@ -153,7 +154,7 @@ def cmd_bench_gemm(args) -> int:
         return 0
     for r in results:
         t = Table(title=f"{r['model']} training GEMMs, {r['threads']} thread(s), {r['isa']} "
-                        f"(peak {r['peak_gflops_per_core']} GFLOP/s per core)")
+                        f"(peak {r['peak_gflops_per_core']} GFLOP/s per core)" + _caches_words(r))
         for col in ("GEMM", "layout", "M", "K", "N", "config", "autohc GFLOP/s", "% peak", "torch",
                     "numpy", "x torch", "x numpy"):
             t.add_column(col, justify="left" if col in ("GEMM", "layout", "config") else "right")
@@ -176,11 +177,17 @@ def _skinny_words(unit) -> str:
     return SKINNY_UNIT_WORDS.get(unit, "the packed path")
 
 
+def _caches_words(r: dict) -> str:
+    c = r.get("caches", "")
+    return f"; caches {c}" if c.startswith("cold") else ""
+
+
 def _bf16_table(r: dict):
     from rich.table import Table
     t = Table(title=f"{r['model']} training GEMMs in bf16, {r['threads']} thread(s), {r['bf16_isa']} "
                     f"({r['bf16_why']}; {r['peak_kind']} peak {r['peak_gflops_per_core']} GFLOP/s "
-                    f"per core; adaLN rows M <= 16 on {_skinny_words(r.get('bf16_skinny_unit'))})")
+                    f"per core; adaLN rows M <= 16 on {_skinny_words(r.get('bf16_skinny_unit'))})"
+                    + _caches_words(r))
     for col in ("GEMM", "layout", "M", "K", "N", "config", "autohc bf16", "% peak", "torch bf16",
                 "torch fp32", "numpy fp32", "x torch bf16", "x best fp32"):
         t.add_column(col, justify="left" if col in ("GEMM", "layout", "config") else "right")

@@ -1,0 +1,64 @@
+"""The one timing protocol (autohc/bench/timing.py): its cold-cache form."""
+import time
+
+import pytest
+
+from autohc.bench import timing
+
+
+def test_before_runs_untimed_before_every_timed_call():
+    """`before` (bench gemm --cold's cache eviction) runs right before each timed call, and
+    its time is not counted: a 1 ms call with 6 ms before it still reads about 1 ms."""
+    log = []
+
+    def before():
+        log.append("before")
+        time.sleep(0.006)
+
+    def call():
+        log.append("call")
+        time.sleep(0.001)
+
+    t = timing.interleaved({"call": call}, samples=3, warmup=1, before=before)["call"]
+    assert 1 <= t.calls_per_sample <= timing.COLD_CALLS
+    assert log.count("before") == 3 * t.calls_per_sample
+    assert all(log[i + 1] == "call" for i, e in enumerate(log) if e == "before")
+    assert 0.0009 <= t.median < 0.004
+
+
+def test_bench_problem_cold_times_every_library_after_the_eviction(monkeypatch):
+    from autohc.bench import gemm
+    from autohc.kernels.gemm.problem import GemmProblem
+    ran = []
+    real = gemm.cache_evictor
+
+    def counting(mb=gemm.COLD_MB):
+        op = real(1)
+        return lambda: (ran.append(1), op())
+    monkeypatch.setattr(gemm, "cache_evictor", counting)
+    row = gemm.bench_problem(GemmProblem("t", "NT", 64, 48, 80), 1, repeats=2, cold=True)
+    assert len(ran) >= 3 * 2                # (autohc, torch, numpy: a call or more per sample)
+    assert row.gflops > 0 and row.torch_gflops > 0 and row.numpy_gflops > 0
+    assert row.speedup_vs_torch == pytest.approx(row.gflops / row.torch_gflops, rel=0.02)
+    ran.clear()
+    gemm.bench_problem(GemmProblem("t", "NT", 64, 48, 80), 1, repeats=2)
+    assert not ran
+
+
+def test_bench_gemm_cold_reaches_every_problem_and_says_so(monkeypatch):
+    """`autohc bench gemm --cold`: every problem timed cold, and the result says how it was timed
+    (the rows' figures come from bench_problem, tested above)."""
+    from autohc.bench import gemm
+    from autohc.cli import build_parser
+    seen = []
+
+    def fake(p, threads, **kw):
+        seen.append(kw["cold"])
+        return gemm.GemmRow(p.name, p.layout, p.M, p.K, p.N, threads, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
+    monkeypatch.setattr(gemm, "bench_problem", fake)
+    args = build_parser().parse_args(["bench", "gemm", "--model", "dit-s", "--cold"])
+    r = gemm.bench_gemm(args.model, 1, first_use_tuning=False, cold=args.cold)
+    assert seen == [True] * 15 and r["caches"].startswith("cold")
+    seen.clear()
+    assert gemm.bench_gemm("dit-s", 1, first_use_tuning=False)["caches"].startswith("warm")
+    assert seen == [False] * 15
