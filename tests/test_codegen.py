@@ -41,6 +41,8 @@ def test_defaults_are_valid(isa, threads):
     (dict(a_outer=1), "a_outer"),
     (dict(a_outer=True, own_rows=1), "own_rows"),
     (dict(own_rows_by_k=True), "own_rows_by_k"),
+    (dict(own_rows_b_kib=1024), "own_rows_b_kib"),
+    (dict(own_rows_b_kib=-1), "own_rows_b_kib"),
 ])
 def test_invalid_params_rejected(change, message):
     p = dataclasses.replace(default_params("avx2"), **change)

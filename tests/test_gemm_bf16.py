@@ -383,29 +383,33 @@ def test_own_rows_by_k_gives_own_rows_results_bit_for_bit():
     for K in one panel past that, own rows again over several panels) changes which thread
     computes which tile, never a tile's sum: C is bit-identical to own rows' and to the shared
     blocks', NT and NN with A from its rows (a_direct) and TN packed, ragged M and N, bf16 and
-    fp32 out, and matches float64."""
+    fp32 out, and matches float64. The same with own_rows_b_kib 4 (own rows at short K only
+    where K x N bf16 is at most 4 KiB: 32 x 40 own rows, the others past it shared)."""
     rng = random.Random(57)
     with backend("amx" if "amx" in BF16_UNITS else EMULATED_AMX):
         common = dict(kc=576, mc=128, nc=96, a_outer=True, a_direct=True, **PACKED_ONLY)
         by_k, own, shared = (bf16_params("amx", 2, own_rows=o, own_rows_by_k=k, **common)
                              for o, k in ((True, True), (True, False), (False, False)))
+        by_b = bf16_params("amx", 2, own_rows=True, own_rows_by_k=True, own_rows_b_kib=4, **common)
         assert bf16_params("amx", 2).mr == 32      # (the K bounds below are for 32 rows)
-        prebuild([by_k, own, shared])
+        prebuild([by_k, own, shared, by_b])
         for layout, m, k, n in (("NT", 71, 96, 45), ("NN", 96, 512, 33), ("NT", 71, 576, 45), ("NN", 64 + 5, 544, 101),
-                                ("TN", 45, 576, 40), ("NT", 33, 640, 17), ("NN", 71, 1184, 45)):
+                                ("TN", 45, 576, 40), ("NT", 33, 640, 17), ("NN", 71, 1184, 45), ("NT", 71, 32, 40)):
             a, b = operands(layout, m, k, n, rng)
             a, b = a.to(torch.bfloat16), b.to(torch.bfloat16)
             for out_dtype in (torch.bfloat16, torch.float32):
                 outs = []
-                for p in (by_k, own, shared):
+                for p in (by_k, own, shared, by_b):
                     out = torch.zeros(m, n, dtype=out_dtype)
                     autohc.matmul(a, b, out=out, params=p)
                     outs.append(out)
                 what = f"own_rows_by_k {layout} {m}x{k}x{n} {out_dtype}"
-                assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), what
+                assert all(torch.equal(outs[0], o) for o in outs[1:]), what
                 check_bf16(outs[0], a.float(), b.float(), torch.zeros(m, n), 1.0, 0.0, what)
     with pytest.raises(ParamError, match="own_rows_by_k"):
         bf16_params("amx", 2, own_rows=False, own_rows_by_k=True)
+    with pytest.raises(ParamError, match="own_rows_b_kib"):
+        bf16_params("amx", 2, own_rows=True, own_rows_by_k=False, own_rows_b_kib=1024)
 
 
 def check_pairs(name, pairs, shapes, rng, bitwise):

@@ -21,7 +21,7 @@ RANGES: dict[str, tuple[int, int]] = {
     "mr": (1, 64), "nr": (4, 128), "kc": (4, 4096), "mc": (1, 16384), "nc": (4, 65536),
     "jc_ways": (1, 256), "ic_ways": (1, 256), "jr_ways": (1, 256),
     "prefetch_a": (0, 32), "prefetch_b": (0, 32), "skinny_m": (0, 64), "kc_inner": (0, 4096),
-    "sink_every": (0, 64), "stream_b_k": (0, 4096), "one_panel_k": (0, 8192),
+    "sink_every": (0, 64), "stream_b_k": (0, 4096), "one_panel_k": (0, 8192), "own_rows_b_kib": (0, 65536),
 }
 CHOICES: dict[str, tuple] = {
     "isa": tuple(GEMM_ISAS), "dtype": ("fp32", "bf16"), "k_unroll": (1, 2, 4, 8), "depth": (1, 2, 3),
@@ -32,7 +32,7 @@ CHOICES: dict[str, tuple] = {
 # fields that to_dict leaves out at these values (each added later: fp32 sets before bf16, ...)
 OMITTED_AT = {"dtype": "fp32", "c_tiles": False, "skinny_unit": "auto", "kc_inner": 0, "sink_every": 0,
               "a_direct": False, "defer_epilogue": False, "prefetch_next_a": False,
-              "own_rows_by_k": False, "stream_b_k": 0, "one_panel_k": 0}
+              "own_rows_by_k": False, "stream_b_k": 0, "one_panel_k": 0, "own_rows_b_kib": 0}
 # names of earlier releases, still read from registries written by them
 LEGACY_NAMES = {"clusters": "jc_ways", "tm": "ic_ways", "tn": "jr_ways"}
 RETIRED = {"pin", "spin_us"}       # now the worker pool's (runtime/pool.py), not a kernel's
@@ -69,6 +69,11 @@ class GemmParams:
     # way's threads share A blocks and split N, packing B once between them (measured on an
     # AMX Xeon at 2 threads: 1.01-1.09x own rows there, 0.84-0.98x below; gemm.c.j2)
     own_rows_by_k: bool = False
+    # own_rows_by_k only (0: no bound): where K fits L1, own rows only while the B panel every
+    # thread would pack (K x N bf16) is at most this many KiB; a larger one, packed whole by
+    # each thread, no longer stays in L2 beside the rest (measured on an AMX Xeon at 2 threads:
+    # shared A blocks 1.04-1.13x own rows past 1 MiB, 0.94-1.01x up to 864 KiB; gemm.c.j2)
+    own_rows_b_kib: int = 0
     # "bf16": products of bf16 operands (bf16 inputs, or fp32 ones rounded to bf16 while
     # packing) accumulated in fp32, on vdpbf16ps (isa avx512bf16), AMX tiles (isa amx) or,
     # on any other back-end, the fp32 micro-kernel on operands widened back to fp32
@@ -182,6 +187,9 @@ class GemmParams:
                              f"not {self.isa}'s{'' if self.a_outer else ' without a_outer'}")
         if self.own_rows_by_k and not (self.a_outer and self.own_rows):
             raise ParamError("own_rows_by_k: limits own rows by K; needs a_outer and own_rows")
+        if self.own_rows_b_kib and not self.own_rows_by_k:
+            raise ParamError(f"own_rows_b_kib={self.own_rows_b_kib}: bounds own_rows_by_k's short-K own rows "
+                             f"by B's size; needs own_rows_by_k; must be 0")
         if self.defer_epilogue and self.isa != "amx":
             raise ParamError(f"defer_epilogue: rounding C among the next tile products is the amx "
                              f"back-end's, not {self.isa}'s")
