@@ -235,7 +235,7 @@ def markdown_table(r: dict) -> str:
              f"{r['peak_gflops_per_core']} GFLOP/s per core; geomean "
              f"**{r['geomean_speedup_vs_torch']:.2f}x torch, {r['geomean_speedup_vs_numpy']:.2f}x numpy**"
              + (f"; first-use tuning {r['first_use_tuning_s']:.0f} s before timing"
-                if r.get("first_use_tuning_s") else ""),
+                if r.get("first_use_tuning_s") else "") + _caches_words(r),
              "", "| GEMM | layout | M | K | N | config | autohc GFLOP/s | % peak | torch | numpy | x torch | x numpy |",
              "|---|---|--:|--:|--:|---|--:|--:|--:|--:|--:|--:|"]
     for w in r["rows"]:
