@@ -54,8 +54,8 @@ _AUTOCAST_NAMES = {"stock": "stock fp32", "stock-bf16": "stock autocast",
                    "compiled-bf16": "compiled autocast"}
 
 
-def _cold(g: dict, lead: str = ", caches ") -> str:
-    """how a `--cold` GEMM run timed (older results and warm runs: nothing)"""
+def caches_words(g: dict, lead: str = ", caches ") -> str:
+    """how a `bench gemm --cold` run timed (warm runs and older results: nothing)"""
     c = g.get("caches", "")
     return lead + c if c.startswith("cold") else ""
 
@@ -68,14 +68,14 @@ def summaries(r: dict) -> list[tuple[str, str]]:
         for g in res:
             tok = _token(g["rows"])
             if g.get("dtype") == "bf16":
-                out.append((f"{g['model']} GEMMs bf16 ({g['bf16_isa']}), {g['threads']} thread(s)" + _cold(g),
+                out.append((f"{g['model']} GEMMs bf16 ({g['bf16_isa']}), {g['threads']} thread(s)" + caches_words(g),
                             f"geomean **{_f(g['geomean_speedup_vs_torch'])}x torch bf16 (oneDNN), "
                             f"{_f(g['geomean_speedup_vs_fp32'])}x the faster fp32 library**; token GEMMs "
                             f"{_range([w['gflops'] for w in tok])} GFLOP/s, "
                             f"{_range([w['pct_peak'] for w in tok])} % of the bf16 peak "
                             f"({g['peak_gflops_per_core']} GFLOP/s per core)"))
             else:
-                out.append((f"{g['model']} GEMMs fp32 ({g['isa']}), {g['threads']} thread(s)" + _cold(g),
+                out.append((f"{g['model']} GEMMs fp32 ({g['isa']}), {g['threads']} thread(s)" + caches_words(g),
                             f"geomean **{_f(g['geomean_speedup_vs_torch'])}x torch (MKL), "
                             f"{_f(g['geomean_speedup_vs_numpy'])}x numpy (OpenBLAS)**; token GEMMs "
                             f"{_range([w['gflops'] for w in tok])} GFLOP/s, "
@@ -242,7 +242,7 @@ def _details(r: dict) -> list[str]:
             bf16 = g.get("dtype") == "bf16"
             out += ["", f"{g['model']}, {g['threads']} thread(s), "
                         + (f"bf16 on {g['bf16_isa']}" if bf16 else f"fp32 on {g['isa']}")
-                        + f", peak {g['peak_gflops_per_core']} GFLOP/s per core" + _cold(g, "; caches ")
+                        + f", peak {g['peak_gflops_per_core']} GFLOP/s per core" + caches_words(g, "; caches ")
                         + (f"; first-use tuning {g['first_use_tuning_s']:.1f} s before timing"
                            if g.get("first_use_tuning_s") else "") + ":", ""]
             if bf16:

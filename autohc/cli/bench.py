@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+from ..bench.results_md import caches_words
+
 
 def _known_model(name: str) -> str:
     """A DiT name of dit.model.MODELS, or one line saying which there are."""
@@ -154,7 +156,7 @@ def cmd_bench_gemm(args) -> int:
         return 0
     for r in results:
         t = Table(title=f"{r['model']} training GEMMs, {r['threads']} thread(s), {r['isa']} "
-                        f"(peak {r['peak_gflops_per_core']} GFLOP/s per core)" + _caches_words(r))
+                        f"(peak {r['peak_gflops_per_core']} GFLOP/s per core)" + caches_words(r, "; caches "))
         for col in ("GEMM", "layout", "M", "K", "N", "config", "autohc GFLOP/s", "% peak", "torch",
                     "numpy", "x torch", "x numpy"):
             t.add_column(col, justify="left" if col in ("GEMM", "layout", "config") else "right")
@@ -177,17 +179,12 @@ def _skinny_words(unit) -> str:
     return SKINNY_UNIT_WORDS.get(unit, "the packed path")
 
 
-def _caches_words(r: dict) -> str:
-    c = r.get("caches", "")
-    return f"; caches {c}" if c.startswith("cold") else ""
-
-
 def _bf16_table(r: dict):
     from rich.table import Table
     t = Table(title=f"{r['model']} training GEMMs in bf16, {r['threads']} thread(s), {r['bf16_isa']} "
                     f"({r['bf16_why']}; {r['peak_kind']} peak {r['peak_gflops_per_core']} GFLOP/s "
                     f"per core; adaLN rows M <= 16 on {_skinny_words(r.get('bf16_skinny_unit'))})"
-                    + _caches_words(r))
+                    + caches_words(r, "; caches "))
     for col in ("GEMM", "layout", "M", "K", "N", "config", "autohc bf16", "% peak", "torch bf16",
                 "torch fp32", "numpy fp32", "x torch bf16", "x best fp32"):
         t.add_column(col, justify="left" if col in ("GEMM", "layout", "config") else "right")
@@ -235,7 +232,7 @@ def markdown_table(r: dict) -> str:
              f"{r['peak_gflops_per_core']} GFLOP/s per core; geomean "
              f"**{r['geomean_speedup_vs_torch']:.2f}x torch, {r['geomean_speedup_vs_numpy']:.2f}x numpy**"
              + (f"; first-use tuning {r['first_use_tuning_s']:.0f} s before timing"
-                if r.get("first_use_tuning_s") else "") + _caches_words(r),
+                if r.get("first_use_tuning_s") else "") + caches_words(r, "; caches "),
              "", "| GEMM | layout | M | K | N | config | autohc GFLOP/s | % peak | torch | numpy | x torch | x numpy |",
              "|---|---|--:|--:|--:|---|--:|--:|--:|--:|--:|--:|"]
     for w in r["rows"]:
