@@ -31,5 +31,6 @@ def __getattr__(name):
         return importlib.import_module(f".{name}", __name__)
     if name in _LAZY:
         import importlib
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        value = globals()[name] = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        return value                    # (kept: autohc.matmul is looked up on every call)
     raise AttributeError(f"module 'autohc' has no attribute {name!r}")

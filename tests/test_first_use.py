@@ -1,5 +1,7 @@
 """Tuning on first use: a GEMM problem with no registry entry gets its candidates from the
 per-microarchitecture table raced and the winner recorded; no result ever changes."""
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -87,6 +89,51 @@ def test_small_and_skinny_problems_are_not_tuned(fresh):
     first_use.wait()
     assert {t.state for t in first_use.tunings().values()} == {"skipped"}
     assert not registry.entries_for_this_cpu("gemm")
+
+
+def test_a_choice_is_remembered_only_once_settled(fresh):
+    """Every GEMM call asks which kernel to run; the answer is remembered once it is settled
+    (a registry entry, the default with no first-use tuning, a tuning ended or skipped), and
+    asked again while a tuning is under way, after the registry file changes or the hook does."""
+    from autohc.kernels.gemm import matmul as gm
+    from autohc.kernels.gemm.kernel import default_kernel_params
+    asked = []
+    settled = {"now": False}
+
+    def hook(layout, M, K, N, threads, dtype):
+        asked.append((layout, M, K, N))
+        return None, settled["now"]
+    at = lambda: gm.tuned_params(512, 384, 1152, (384, 1), (1, 384), 1)   # noqa: E731
+    try:
+        gm.set_registry_miss_hook(hook)
+        assert at() == default_kernel_params(1) and at() == default_kernel_params(1)
+        assert len(asked) == 2                      # under way: asked on every call
+        settled["now"] = True
+        at(), at(), at()
+        assert len(asked) == 3                      # settled: remembered
+        gm.forget_choices()
+        at()
+        assert len(asked) == 4
+        other = dataclasses.replace(default_kernel_params(1), kc=default_kernel_params(1).kc // 2).validate()
+        registry.record("gemm", "NT", 384, 1152, 512, 1, other, 120.0, 100.0, trials=5)
+        assert at() == other and at() == other      # the file changed: its entry, not the default
+        assert len(asked) == 4
+        gm.set_registry_miss_hook(None)
+        assert at() == other
+    finally:
+        gm.set_registry_miss_hook(None)
+    first_use.enable()
+    assert gm._registry_miss_hook is first_use.on_miss and gm._choices["registry"] is None
+
+
+def test_on_miss_says_when_its_answer_is_settled(fresh):
+    first_use.enable()
+    assert first_use.on_miss("NT", 64, 64, 64, 1) == (None, True)            # too small: skipped
+    chosen, settled = first_use.on_miss("NT", 512, 384, 1152, 2)             # tuning started
+    assert chosen is None and not settled
+    first_use.wait()
+    chosen, settled = first_use.on_miss("NT", 512, 384, 1152, 2)             # raced here: ended
+    assert settled and chosen == first_use.tunings()[GEMM.problem_key("NT", 384, 1152, 512, 2)].chosen
 
 
 def test_bad_switch_value_is_one_clear_error(fresh, monkeypatch):

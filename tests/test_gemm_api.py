@@ -116,6 +116,23 @@ def test_bad_input_leaves_out_untouched():
     assert torch.equal(out, torch.full((3, 2), 7.0))
 
 
+def test_params_are_validated_on_every_call_until_they_pass():
+    """matmul(params=...) validates a params object once (it is frozen); one that fails is
+    checked again on every call, and none runs."""
+    import dataclasses
+    from autohc.kernels.gemm.params import ParamError
+    good = gemm_mod.default_kernel_params(1)
+    bad = dataclasses.replace(good, nr=good.nr + 1)     # (replace does not validate)
+    a, b = torch.randn(9, 7), torch.randn(7, 5)
+    out = torch.full((9, 5), 7.0)
+    for _ in range(2):
+        with pytest.raises(ParamError):
+            autohc.matmul(a, b, out=out, params=bad)
+        assert torch.equal(out, torch.full((9, 5), 7.0))
+    for _ in range(2):
+        check(autohc.matmul(a, b, out=out, params=good), a, b, None, 1.0, 0.0)
+
+
 def test_requires_grad_allowed_under_no_grad():
     a = torch.randn(3, 4, requires_grad=True)
     with torch.no_grad():

@@ -107,6 +107,7 @@ def forget() -> None:
     wait()
     with _lock:
         _tunings.clear()
+    gemm_matmul.forget_choices()        # a skipped problem's default was remembered as settled
 
 
 def _candidates(isa: str, default: GemmParams) -> list[GemmParams]:
@@ -144,19 +145,20 @@ def _build(t: Tuning) -> None:
 
 
 def on_miss(layout: str, M: int, K: int, N: int, threads: int,
-            dtype: str = "fp32") -> GemmParams | None:
+            dtype: str = "fp32") -> tuple[GemmParams | None, bool]:
     """The registry had nothing for this problem: None (run the default) while its tuning is
-    under way, the winner from the call that finishes it on."""
+    under way, the winner from the call that finishes it on; and whether that answer is
+    settled (the tuning ended or was skipped: the matmul remembers it)."""
     if getattr(_busy, "on", False):
-        return None
+        return None, False
     key = GEMM.problem_key(layout, K, N, M, threads, dtype)
     with _lock:
         t = _tunings.get(key)
         if t is None:
-            _tunings[key] = _start(layout, M, K, N, threads, dtype)
-            return None
+            t = _tunings[key] = _start(layout, M, K, N, threads, dtype)
+            return None, t.state == "skipped"
     _race_if_ready(t)
-    return t.chosen
+    return t.chosen, t.state in ("done", "skipped", "failed")
 
 
 def _race_if_ready(t: Tuning) -> None:

@@ -75,7 +75,8 @@ def _read(path: Path) -> dict:
 def load() -> dict:
     """All entries, memoised on the file's mtime; the file is stat'ed at most every RECHECK_S
     (a write from this process is seen at once; another process's within RECHECK_S)."""
-    env = tuple(os.environ.get(k) for k in ("AUTOHC_REGISTRY", "AUTOHC_CACHE_DIR", "XDG_CACHE_HOME"))
+    get = os.environ.get                # (spelt out, no generator: this runs on every GEMM call)
+    env = (get("AUTOHC_REGISTRY"), get("AUTOHC_CACHE_DIR"), get("XDG_CACHE_HOME"))
     now = time.monotonic()
     if env == _memo["env"] and now - _memo["checked"] < RECHECK_S:
         return _memo["data"]
@@ -89,6 +90,13 @@ def load() -> dict:
             _memo.update(path=path, mtime=mtime, data=_read(path) if mtime else {}, lookups={})
         _memo.update(env=env, checked=now)
         return _memo["data"]
+
+
+def memo() -> dict:
+    """A dict that lives as long as the registry's present state (a new one once the file
+    changes): callers keep what they derive from the entries against its identity."""
+    load()
+    return _memo["lookups"]
 
 
 def forget() -> None:

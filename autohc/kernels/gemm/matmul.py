@@ -32,35 +32,60 @@ except ImportError:  # pragma: no cover
 
 
 # Called with (layout, M, K, N, threads, dtype) of a Linear problem the registry has no entry for;
-# answers the parameters to run, or None for the default. Set by tune/first_use.enable().
+# answers (the parameters to run or None for the default, settled): settled where that answer
+# holds for the rest of the process (the problem's tuning ended or was skipped), so that it can
+# be remembered. Set by tune/first_use.enable().
 _registry_miss_hook = None
+
+# The choice of every problem met, for the registry state and hook it was made under: this runs
+# on every GEMM call, and choosing again cost about 3 us (an AMX Xeon), a tenth of a call's
+# overhead. Cleared when the registry file changes (registry.memo() is then a new dict), the hook
+# changes, or forget_choices() is called.
+_choices: dict = {"registry": None, "hook": None, "params": {}}
+MAX_CHOICES = 4096
 
 
 def set_registry_miss_hook(hook) -> None:
     global _registry_miss_hook
     _registry_miss_hook = hook
+    forget_choices()
+
+
+def forget_choices() -> None:
+    """Choose again on each problem's next call (first-use tuning forgot its tunings)."""
+    _choices["registry"] = None
 
 
 def tuned_params(m: int, k: int, n: int, sa, sb, threads: int, dtype: str = "fp32") -> GemmParams:
     """The registry's configuration for this problem on this CPU, else (first-use tuning's
     pick, when it is on, or) the default one; with CFTP on (runtime/cftp.py), its thread
     geometry splits N across the clusters."""
-    return cftp.geometry(_chosen_params(m, k, n, sa, sb, threads, dtype))
+    state, hook = registry.memo(), _registry_miss_hook
+    if _choices["registry"] is not state or _choices["hook"] is not hook:
+        _choices.update(registry=state, hook=hook, params={})
+    key = (registry.layout_of(sa[0], sa[1], sb[0], sb[1]), m, k, n, threads, dtype)
+    params = _choices["params"].get(key)
+    if params is None:
+        params, settled = _chosen_params(m, k, n, sa, sb, threads, dtype, hook)
+        if settled:
+            if len(_choices["params"]) >= MAX_CHOICES:     # (shapes that keep changing)
+                _choices["params"] = {}
+            _choices["params"][key] = params
+    return cftp.geometry(params)
 
 
-def _chosen_params(m: int, k: int, n: int, sa, sb, threads: int, dtype: str = "fp32") -> GemmParams:
+def _chosen_params(m: int, k: int, n: int, sa, sb, threads: int, dtype: str, hook) -> tuple[GemmParams, bool]:
+    """The parameters, and whether they hold until the registry or the hook changes."""
     layout = registry.layout_of(sa[0], sa[1], sb[0], sb[1])
     if layout is not None:              # (no registry file: lookup answers None)
         M, K, N = registry.linear_dims(layout, m, k, n)
         hit = registry.lookup("gemm", layout, K, N, M, threads, dtype=dtype)
         if hit is not None and not outdated_default(hit, threads) and not _drops_skinny_paths(hit[0], M, threads):
-            return hit[0]
-        hook = _registry_miss_hook
+            return hit[0], True
         if hook is not None:
-            chosen = hook(layout, M, K, N, threads, dtype)
-            if chosen is not None:
-                return chosen
-    return default_kernel_params(threads, dtype=dtype)
+            chosen, settled = hook(layout, M, K, N, threads, dtype)
+            return chosen or default_kernel_params(threads, dtype=dtype), settled
+    return default_kernel_params(threads, dtype=dtype), True
 
 
 def _drops_skinny_paths(params: GemmParams, M: int, threads: int) -> bool:
@@ -85,17 +110,24 @@ def outdated_default(hit, threads: int) -> bool:
 
 class _Operand:
     """A 2-D float32 (or bfloat16) operand seen as (address, shape, element strides)."""
-    __slots__ = ("obj", "ptr", "shape", "strides", "nbytes_span", "f32")
+    __slots__ = ("obj", "ptr", "shape", "strides", "itemsize", "f32")
 
     def __init__(self, obj, ptr, shape, strides, itemsize: int = 4):
         self.obj, self.ptr, self.shape, self.strides = obj, ptr, shape, strides
-        self.f32 = itemsize == 4
-        lo = sum(min(0, (n - 1) * s) for n, s in zip(shape, strides)) if all(shape) else 0
-        hi = sum(max(0, (n - 1) * s) for n, s in zip(shape, strides)) if all(shape) else -1
-        self.nbytes_span = (ptr + itemsize * lo, ptr + itemsize * hi + itemsize)
+        self.itemsize, self.f32 = itemsize, itemsize == 4
 
-    def overlaps(self, other: "_Operand") -> bool:
-        (a0, a1), (b0, b1) = self.nbytes_span, other.nbytes_span
+    def nbytes_span(self) -> tuple[int, int]:
+        """The addresses [first, past the last) of the bytes its elements occupy."""
+        (m, n), (sm, sn) = self.shape, self.strides
+        lo, hi = 0, -1                  # (in elements from ptr)
+        if m and n:
+            em, en = (m - 1) * sm, (n - 1) * sn
+            lo, hi = min(0, em) + min(0, en), max(0, em) + max(0, en)
+        return self.ptr + self.itemsize * lo, self.ptr + self.itemsize * (hi + 1)
+
+    def overlaps(self, span: tuple[int, int]) -> bool:
+        """Whether any of its bytes lies in `span` (another operand's nbytes_span())."""
+        (a0, a1), (b0, b1) = self.nbytes_span(), span
         return a0 < b1 and b0 < a1
 
 
@@ -146,9 +178,10 @@ def _copy(x, kind: str):
 def _apart(kind, a, b, A: "_Operand", B: "_Operand", C: "_Operand") -> tuple:
     """A and B, each read from a copy where it aliases the output C, so the result is
     still a @ b."""
-    if A.overlaps(C):
+    c = C.nbytes_span()
+    if A.overlaps(c):
         A = operand_raw(_copy(a, kind), kind)
-    if B.overlaps(C):
+    if B.overlaps(c):
         B = operand_raw(_copy(b, kind), kind)
     return A, B
 
@@ -188,7 +221,7 @@ def matmul(a, b, *, out=None, alpha=1.0, beta=0.0, threads=None, params: GemmPar
     if params is not None:
         if not isinstance(params, GemmParams):
             raise TypeError(f"autohc.matmul: params must be a GemmParams, not {type(params).__name__}")
-        params.validate()
+        _validated(params)
         if params.dtype != compute:
             raise ValueError(f"autohc.matmul: params compute in {params.dtype}, not {compute}")
         if threads is not None and threads != params.threads:
@@ -227,6 +260,20 @@ def matmul(a, b, *, out=None, alpha=1.0, beta=0.0, threads=None, params: GemmPar
         out.copy_(acc)
         return out
     return _run(kind, a, b, out, A, B, C, alpha, beta, threads, params, dtype=compute)
+
+
+_checked: dict = {}     # id -> GemmParams validated already, held so that the id stays its own
+
+
+def _validated(params: GemmParams) -> GemmParams:
+    """params.validate(), once per object (frozen): a benchmark passes the same one to every
+    call, and validating took about 10 us."""
+    if _checked.get(id(params)) is not params:
+        params.validate()
+        if len(_checked) >= 64:
+            _checked.clear()
+        _checked[id(params)] = params
+    return params
 
 
 def gemm_into(a, b, out, alpha: float, beta: float, threads: int, bias=None):
