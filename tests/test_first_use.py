@@ -355,3 +355,85 @@ def test_bf16_skinny_problems_race_the_other_unit(fresh, monkeypatch, wins_again
     assert _close(matmul(x, w.t(), out=torch.empty(8, 2304), threads=threads), x, w.t())
     # fp32 and TN (K = batch: no skinny path) are still not tuned
     assert first_use.finish("TN", 8, 1152, 2304, threads, "bf16").state == "skipped"
+
+
+def test_install_races_aten_and_leaves_it_the_problems_it_wins(fresh, monkeypatch):
+    """Under install(), ATen's own kernel is a contender of every first-use race; where it wins
+    (forced here: the race's pick is patched), the entry says so and install() sends that
+    problem, in that M bucket only, to ATen, with ATen's own result."""
+    from autohc.bench import timing
+    from autohc.cli.kernels import _first_use_entries
+    from autohc.torch import dispatch
+    raced = []
+
+    def aten_faster(fns, **kw):                         # every contender runs; ATen "is faster"
+        raced.append(sorted(fns))
+        for f in fns.values():
+            f()
+        return {k: timing.Timing(0.5e-3 if k == "aten" else 1e-3, 0.01) for k in fns}
+    monkeypatch.setattr(first_use.timing, "interleaved", aten_faster)
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(96, 64, generator=g), torch.randn(80, 64, generator=g)
+    want = F.linear(x, w)                                # ATen's, before install
+    with autohc.installed(threads=1):
+        F.linear(x, w)                                   # meets the problem: races the default and ATen
+        first_use.wait()
+        F.linear(x, w)
+        assert raced[0] == ["aten", "default"] and raced[-1] == ["aten", "default"]    # and confirmed
+        before = dict(dispatch.stats)
+        got = F.linear(x, w)
+        assert dispatch.stats["aten"] == before["aten"] + 1 and dispatch.stats["autohc"] == before["autohc"]
+        assert torch.equal(got, want)
+        other = F.linear(torch.randn(1024, 64, generator=g), w)     # another M bucket: autohc's
+        assert dispatch.stats["autohc"] > before["autohc"]
+        assert other.shape == (1024, 80)
+    (key, entry), = [(k, e) for k, e in registry.entries_for_this_cpu("gemm").items() if "/M128/" in k]
+    assert entry["aten_faster"] is True and entry["torch_gflops"] > 0 and entry["source"] == "first-use"
+    assert any("ATen faster" in line for line in _first_use_entries(registry))
+    assert first_use._aten_runner is None                # uninstall took ATen's contender away
+
+
+def test_a_problem_too_small_for_candidates_races_the_default_against_aten(fresh):
+    """Skipped without install() (no candidates worth the race); under it, the default races
+    ATen, and whichever wins, the results stay right."""
+    g = torch.Generator().manual_seed(6)
+    x, w = torch.randn(64, 64, generator=g), torch.randn(64, 64, generator=g)
+    first_use.enable()
+    matmul(x, w.t(), threads=1)
+    assert {t.state for t in first_use.tunings().values()} == {"skipped"}
+    first_use.forget()
+    with autohc.installed(threads=1):
+        y1 = F.linear(x, w)
+        first_use.wait()
+        y2 = F.linear(x, w)
+        t, = first_use.tunings().values()
+        assert t.state == "done" and "ATen" in t.note, t.note
+    entry, = registry.entries_for_this_cpu("gemm").values()
+    assert entry["torch_gflops"] > 0 and entry["aten_faster"] == t.aten
+    for y in (y1, y2):
+        torch.testing.assert_close(y, x @ w.t(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("aten_ms, want", [((0.5, 0.5), True), ((2.0,), False), ((0.9, 1.1), False)])
+def test_aten_is_kept_only_where_it_wins_the_race_and_the_one_after(fresh, monkeypatch, aten_ms, want):
+    """ATen against autohc's kept kernel: faster in the race and in a second race of the two
+    (no margin either way), else autohc's kernel stays."""
+    from autohc.bench import timing
+    from autohc.kernels.gemm.problem import GemmProblem
+    from autohc.kernels.gemm.kernel import default_kernel_params
+    rounds = iter(aten_ms)
+
+    def fake(fns, **kw):
+        ms = next(rounds) if "aten" in fns else 1.0
+        return {k: timing.Timing((ms if k == "aten" else 1.0) * 1e-3, 0.01) for k in fns}
+    monkeypatch.setattr(first_use.timing, "interleaved", fake)
+    first_use.set_aten_runner(lambda a, b, out: torch.mm(a, b, out=out))
+    try:
+        t = first_use.Tuning(GemmProblem("first-use", "NT", 96, 64, 80), 1, default_kernel_params(1), [])
+        first_use._race(t)
+    finally:
+        first_use.set_aten_runner(None)
+    assert t.state == "done" and t.aten is want and t.chosen == t.default
+    assert next(rounds, None) is None                    # a second race exactly where the first was won
+    entry, = registry.entries_for_this_cpu("gemm").values()
+    assert entry["aten_faster"] is want

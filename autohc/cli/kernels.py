@@ -125,7 +125,8 @@ def _first_use_entries(registry) -> list[str]:
         except (ParamError, KeyError, TypeError):
             earlier = False             # (an invalid entry: lookups ignore it too)
         how = ("an earlier default kept: tuned again on its next use" if earlier
-               else "default kept" if kept else "candidate won")
+               else f"ATen faster ({e.get('torch_gflops')} GFLOP/s): install() leaves it to ATen"
+               if e.get("aten_faster") else "default kept" if kept else "candidate won")
         ways = f"{p.get('jc_ways', 1)}x{p.get('ic_ways', 1)}x{p.get('jr_ways', 1)}"
         out.append(f"{key}: {p.get('mr')}x{p.get('nr')} kc {p.get('kc')} mc {p.get('mc')} "
                    f"nc {p.get('nc')}{' a_outer' if p.get('a_outer') else ''} ways {ways}, "

@@ -34,7 +34,7 @@ import torch
 
 from ..hw import cpu
 from ..kernels.gemm.kernel import KernelError
-from ..kernels.gemm.matmul import bmm_into, gemm_bf16_into, gemm_into
+from ..kernels.gemm.matmul import aten_faster, bmm_into, gemm_bf16_into, gemm_into
 from ..kernels.isa import BF16_ISAS
 from ..runtime import omp
 from ..runtime import plan as cpu_plan
@@ -65,7 +65,13 @@ def _serve(a: torch.Tensor, b: torch.Tensor, min_macs: int = MIN_MACS, dtype=tor
         return False
     m, k = a.shape
     n = b.shape[1]
-    return b.shape[0] == k and m * n > 0 and m * n * k >= min_macs
+    return b.shape[0] == k and m * n > 0 and m * n * k >= min_macs and not _aten_faster(a, b, dtype)
+
+
+def _aten_faster(a: torch.Tensor, b: torch.Tensor, dtype) -> bool:
+    """First-use tuning found ATen's own kernel faster on this problem (bmm: on matrix 0's)."""
+    return aten_faster(a.shape[0], a.shape[1], b.shape[1], a.stride(), b.stride(), kernel_threads(),
+                       "bf16" if dtype == torch.bfloat16 else "fp32")
 
 
 @functools.lru_cache(maxsize=None)
@@ -262,6 +268,11 @@ OUT_IMPLS = ({"mm.out": _mm_out, "addmm.out": _addmm_out, "bmm.out": _bmm_out,
               "baddbmm.out": _baddbmm_out} if all(ATEN_OUT.values()) else {})
 
 
+def _aten_mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out := a @ b by ATen's own mm.out kernel (first-use tuning's ATen contender)."""
+    fallback.call_captured(ATEN_OUT["mm.out"], a, b, out=out)
+
+
 def _positive(name: str, v) -> None:
     if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
         raise ValueError(f"autohc.install: {name} must be a positive int, got {v!r}")
@@ -301,7 +312,8 @@ def install(threads: int | None = None, torch_threads: int | str | None = "auto"
         cores from the pool's. uninstall() restores the setting.
     first_use_tuning: race a few candidates from this CPU's per-microarchitecture table the
         first time a GEMM problem with no registry entry is met, and record the winner
-        (tune/first_use.py; a few seconds per problem, the default kernel meanwhile).
+        (tune/first_use.py; a few seconds per problem, the default kernel meanwhile). ATen's
+        own kernel races too: a problem where it wins is left to ATen from then on.
         AUTOHC_FIRST_USE=0 turns it off whatever this says."""
     _positive("threads", threads)
     if not isinstance(first_use_tuning, bool):
@@ -323,6 +335,8 @@ def install(threads: int | None = None, torch_threads: int | str | None = "auto"
         if _state["lib"] is None:
             _state["first_use_before"] = first_use.enabled()
         first_use.enable(first_use_tuning)
+        if ATEN_OUT["mm.out"] is not None:      # races ATen's own kernel too (never this override)
+            first_use.set_aten_runner(_aten_mm_into)
         if _state["lib"] is not None:
             return
         lib = torch.library.Library("aten", "IMPL")
@@ -347,6 +361,7 @@ def uninstall() -> None:
         set_kernel_threads(None)
         if lib is not None:
             lib._destroy()
+            first_use.set_aten_runner(None)
             first_use.enable(_state.get("first_use_before", False))
             torch.set_num_threads(_state["torch_threads_before"])
 

@@ -7,6 +7,9 @@ bf16 operands, and are recorded under their own (dtype) key.
 
     1st call of a problem: the default kernel runs; the candidates start compiling on a
                            background thread (gcc runs beside the caller's work).
+    (under install(), ATen's own kernel is a contender too: where it wins, the entry says
+                           `aten_faster` and install() leaves that problem to ATen; problems too
+                           small or too skinny for candidates race the default against it alone)
     a later call, once they are built: each candidate is verified (GemmVerifier: a wrong one can
                            never win), then the default and the candidates are raced by the one
                            timing protocol within the budget; the default is kept unless beaten by
@@ -74,6 +77,7 @@ class Tuning:
     thread: threading.Thread | None = None
     built: list[GemmParams] = field(default_factory=list)
     chosen: GemmParams | None = None
+    aten: bool = False                  # ATen's own kernel won the race (install() leaves it ATen's)
     build_s: float = 0.0
     race_s: float = 0.0
     note: str = ""
@@ -84,6 +88,15 @@ _tunings: dict[str, Tuning] = {}
 _spent = {"race_s": 0.0, "build_s": 0.0}   # totals of this process (bench step reports deltas)
 _busy = threading.local()               # the race's own GEMMs must not start tunings
 _enabled = False
+_aten_runner = None                     # fn(a, b, out): out := a @ b by ATen's own kernel
+
+
+def set_aten_runner(fn) -> None:
+    """ATen's own GEMM, `fn(a, b, out)` (install() sets it, uninstall() clears it): with it a
+    race has ATen for a contender, and a problem too small or too skinny for candidates races
+    the default against it, so that install() never keeps a kernel slower than what it replaced."""
+    global _aten_runner
+    _aten_runner = fn
 
 
 def enable(on: bool = True) -> None:
@@ -198,7 +211,10 @@ def _start(layout: str, M: int, K: int, N: int, threads: int, dtype: str) -> Tun
     skinny = _skinny_candidates(problem, default)
     t = Tuning(problem, threads, default, skinny or _candidates(default.isa, default))
     if not skinny and (problem.flops < MIN_FLOPS or min(M, N) <= default.skinny_m or not t.candidates):
-        t.state, t.note = "skipped", "too small to gain from tuning" if t.candidates else "no candidates"
+        if _aten_runner is None or problem.flops <= 0:
+            t.state, t.note = "skipped", "too small to gain from tuning" if t.candidates else "no candidates"
+        else:                           # nothing to build: the default against ATen, next call
+            t.candidates, t.state, t.note = [], "ready", "the default raced against ATen only; "
         return t
     t.thread = threading.Thread(target=_build, args=(t,), name="autohc-first-use-build", daemon=True)
     t.thread.start()
@@ -223,19 +239,31 @@ def _race(t: Tuning) -> None:
         # bf16 C costs fp32 partial sums that an fp32 C does not)
         out = torch.empty(a.shape[0], b.shape[1], dtype=verify.dtype or torch.float32)
         runs = {k: (lambda p=p: gemm_matmul.matmul(a, b, out=out, params=p)) for k, p in finalists.items()}
-        times = timing.interleaved(runs, samples=SAMPLES, warmup=1, max_seconds=budget_s())
-        kept, times = pipeline.pick_confirmed(
-            times, "default", lambda names: timing.interleaved({k: runs[k] for k in names}, samples=SAMPLES,
-                                                               warmup=1, max_seconds=budget_s()))
+        aten = _aten_runner
+        if aten is not None:            # ATen's own kernel, into the same C
+            runs["aten"] = lambda: aten(a, b, out)
+        def race(names):
+            return timing.interleaved({k: runs[k] for k in names}, samples=SAMPLES, warmup=1,
+                                      max_seconds=budget_s())
+        first = race(list(runs))
+        # autohc's kernel: the default unless a candidate beats it clearly, twice
+        ours, times = pipeline.pick_confirmed({k: v for k, v in first.items() if k != "aten"}, "default", race)
+        # then ATen's, where it is the faster of the two in this race and in one more of the two
+        # alone (no margin: at a tie either is as good, and install() must never be slower)
+        t.aten = "aten" in first and first["aten"].median < first[ours].median
+        if t.aten:
+            again = race([ours, "aten"])
+            t.aten = again["aten"].median < again[ours].median
+            times = {**times, **again}
     finally:
         _busy.on = False
-    gf = {k: t.problem.flops / v.median / 1e9 for k, v in times.items()}
-    t.chosen, t.race_s = finalists[kept], time.perf_counter() - t0
+    gf = {k: t.problem.flops / v.median / 1e9 for k, v in {**first, **times}.items()}
+    t.chosen, t.race_s = finalists[ours], time.perf_counter() - t0
     _spent["race_s"] += t.race_s
     p = t.problem
-    registry.record("gemm", p.layout, p.K, p.N, p.M, t.threads, t.chosen, gf[kept], 0.0,
+    registry.record("gemm", p.layout, p.K, p.N, p.M, t.threads, t.chosen, gf[ours], gf.get("aten", 0.0),
                     source="first-use", default_gflops=round(gf["default"], 2),
-                    default_kept=kept == "default",
+                    default_kept=ours == "default", aten_faster=t.aten,
                     candidates=len(finalists) - 1, build_s=round(t.build_s, 2),
                     race_s=round(t.race_s, 2))
     t.state = "done"

@@ -22,6 +22,7 @@ import numpy as np
 from ...hw import cpu
 from ...runtime import cftp
 from ...tune import registry
+from .family import m_bucket
 from .kernel import default_kernel_params, get_kernel
 from .params import MAX_THREADS, GemmParams
 
@@ -60,32 +61,47 @@ def tuned_params(m: int, k: int, n: int, sa, sb, threads: int, dtype: str = "fp3
     """The registry's configuration for this problem on this CPU, else (first-use tuning's
     pick, when it is on, or) the default one; with CFTP on (runtime/cftp.py), its thread
     geometry splits N across the clusters."""
+    return cftp.geometry(_choice(m, k, n, sa, sb, threads, dtype)[0])
+
+
+def aten_faster(m: int, k: int, n: int, sa, sb, threads: int, dtype: str = "fp32") -> bool:
+    """Whether first-use tuning found ATen's own kernel faster than autohc's on this problem
+    (its registry entry, of this M's bucket, says so): install() then leaves it to ATen."""
+    return _choice(m, k, n, sa, sb, threads, dtype)[1]
+
+
+def _choice(m: int, k: int, n: int, sa, sb, threads: int, dtype: str) -> tuple[GemmParams, bool]:
     state, hook = registry.memo(), _registry_miss_hook
     if _choices["registry"] is not state or _choices["hook"] is not hook:
         _choices.update(registry=state, hook=hook, params={})
     key = (registry.layout_of(sa[0], sa[1], sb[0], sb[1]), m, k, n, threads, dtype)
-    params = _choices["params"].get(key)
-    if params is None:
-        params, settled = _chosen_params(m, k, n, sa, sb, threads, dtype, hook)
+    choice = _choices["params"].get(key)
+    if choice is None:
+        params, aten, settled = _chosen_params(m, k, n, sa, sb, threads, dtype, hook)
+        choice = (params, aten)
         if settled:
             if len(_choices["params"]) >= MAX_CHOICES:     # (shapes that keep changing)
                 _choices["params"] = {}
-            _choices["params"][key] = params
-    return cftp.geometry(params)
+            _choices["params"][key] = choice
+    return choice
 
 
-def _chosen_params(m: int, k: int, n: int, sa, sb, threads: int, dtype: str, hook) -> tuple[GemmParams, bool]:
-    """The parameters, and whether they hold until the registry or the hook changes."""
+def _chosen_params(m: int, k: int, n: int, sa, sb, threads: int, dtype: str,
+                   hook) -> tuple[GemmParams, bool, bool]:
+    """The parameters, whether ATen runs the problem instead, and whether the two hold until
+    the registry or the hook changes."""
     layout = registry.layout_of(sa[0], sa[1], sb[0], sb[1])
     if layout is not None:              # (no registry file: lookup answers None)
         M, K, N = registry.linear_dims(layout, m, k, n)
         hit = registry.lookup("gemm", layout, K, N, M, threads, dtype=dtype)
         if hit is not None and not outdated_default(hit, threads) and not _drops_skinny_paths(hit[0], M, threads):
-            return hit[0], True
+            entry = hit[1]              # (ATen's win holds for its own M bucket only)
+            aten = bool(entry.get("aten_faster")) and m_bucket(entry.get("M", 0)) == m_bucket(M)
+            return hit[0], aten, True
         if hook is not None:
             chosen, settled = hook(layout, M, K, N, threads, dtype)
-            return chosen or default_kernel_params(threads, dtype=dtype), settled
-    return default_kernel_params(threads, dtype=dtype), True
+            return chosen or default_kernel_params(threads, dtype=dtype), False, settled
+    return default_kernel_params(threads, dtype=dtype), False, True
 
 
 def _drops_skinny_paths(params: GemmParams, M: int, threads: int) -> bool:
