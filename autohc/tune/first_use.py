@@ -242,6 +242,7 @@ def _race(t: Tuning) -> None:
         aten = _aten_runner
         if aten is not None:            # ATen's own kernel, into the same C
             runs["aten"] = lambda: aten(a, b, out)
+
         def race(names):
             return timing.interleaved({k: runs[k] for k in names}, samples=SAMPLES, warmup=1,
                                       max_seconds=budget_s())
