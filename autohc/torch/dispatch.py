@@ -34,7 +34,7 @@ import torch
 
 from ..hw import cpu
 from ..kernels.gemm.kernel import KernelError
-from ..kernels.gemm.matmul import aten_faster, bmm_into, gemm_bf16_into, gemm_into
+from ..kernels.gemm.matmul import bmm_into, gemm_bf16_into, gemm_into
 from ..kernels.isa import BF16_ISAS
 from ..runtime import omp
 from ..runtime import plan as cpu_plan
@@ -65,13 +65,7 @@ def _serve(a: torch.Tensor, b: torch.Tensor, min_macs: int = MIN_MACS, dtype=tor
         return False
     m, k = a.shape
     n = b.shape[1]
-    return b.shape[0] == k and m * n > 0 and m * n * k >= min_macs and not _aten_faster(a, b, dtype)
-
-
-def _aten_faster(a: torch.Tensor, b: torch.Tensor, dtype) -> bool:
-    """First-use tuning found ATen's own kernel faster on this problem (bmm: on matrix 0's)."""
-    return aten_faster(a.shape[0], a.shape[1], b.shape[1], a.stride(), b.stride(), kernel_threads(),
-                       "bf16" if dtype == torch.bfloat16 else "fp32")
+    return b.shape[0] == k and m * n > 0 and m * n * k >= min_macs
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,6 +9,7 @@ import warnings
 
 from ..build import BuildError
 from ..kernels.gemm.kernel import KernelError
+from ..kernels.gemm.matmul import AtenFaster
 
 # what a kernel can fail with before computing anything: no compiler, a compile error, a
 # library that cannot load, a pool that cannot start threads
@@ -30,10 +31,12 @@ def report(error: BaseException, what: str) -> None:
 
 def kernel_or(kernel, aten, what: str, served: bool = True):
     """kernel() where autohc serves the call, else aten(); aten() too if the kernel cannot
-    run here (reported once per cause)."""
+    run here (reported once per cause) or first-use tuning timed ATen faster on it (silently)."""
     if served:
         try:
             return kernel()
+        except AtenFaster:
+            pass                        # first-use tuning timed ATen faster here: no warning
         except FAILURES as e:
             report(e, what)
     return aten()

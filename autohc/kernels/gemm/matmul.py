@@ -64,10 +64,19 @@ def tuned_params(m: int, k: int, n: int, sa, sb, threads: int, dtype: str = "fp3
     return cftp.geometry(_choice(m, k, n, sa, sb, threads, dtype)[0])
 
 
-def aten_faster(m: int, k: int, n: int, sa, sb, threads: int, dtype: str = "fp32") -> bool:
-    """Whether first-use tuning found ATen's own kernel faster than autohc's on this problem
-    (its registry entry, of this M's bucket, says so): install() then leaves it to ATen."""
-    return _choice(m, k, n, sa, sb, threads, dtype)[1]
+class AtenFaster(Exception):
+    """Raised by the override's entry points (gemm_into, gemm_bf16_into, bmm_into) before they
+    write anything, where first-use tuning timed ATen's own kernel faster on the problem (its
+    registry entry, of this M's bucket, says so): the caller runs ATen's instead."""
+
+
+def _override_params(A: "_Operand", B: "_Operand", threads: int, dtype: str) -> GemmParams:
+    """tuned_params for the torch override, or AtenFaster (one choice per call: it runs on
+    every GEMM)."""
+    params, aten = _choice(A.shape[0], A.shape[1], B.shape[1], A.strides, B.strides, threads, dtype)
+    if aten:
+        raise AtenFaster(f"{A.shape[0]}x{A.shape[1]}x{B.shape[1]} {dtype}")
+    return cftp.geometry(params)
 
 
 def _choice(m: int, k: int, n: int, sa, sb, threads: int, dtype: str) -> tuple[GemmParams, bool]:
@@ -297,8 +306,9 @@ def gemm_into(a, b, out, alpha: float, beta: float, threads: int, bias=None):
     (the torch override); the registry's configuration or the default one. With `bias` (a
     float32 tensor of out's row shape, any stride, not overlapping out): out := alpha * a @ b
     + beta * bias in every row, out not read (addmm's Linear bias, added by the kernel)."""
-    return _run("torch", a, b, out, operand_raw(a), operand_raw(b), operand_raw(out),
-                alpha, beta, threads, None, bias)
+    A, B = operand_raw(a), operand_raw(b)
+    return _run("torch", a, b, out, A, B, operand_raw(out), alpha, beta, threads,
+                _override_params(A, B, threads, "fp32"), bias)
 
 
 def bmm_into(a, b, out, alpha: float, beta: float, threads: int):
@@ -308,7 +318,7 @@ def bmm_into(a, b, out, alpha: float, beta: float, threads: int):
     A, B = operand_raw(a[0]), operand_raw(b[0])
     M, K = A.shape
     N = B.shape[1]
-    params = tuned_params(M, K, N, A.strides, B.strides, threads)
+    params = _override_params(A, B, threads, "fp32")
     get_kernel(params).run_batched(a.shape[0], a.stride(0), b.stride(0), out.stride(0), M, N, K,
                                    alpha, A.ptr, A.strides[0], A.strides[1], B.ptr, B.strides[0],
                                    B.strides[1], beta, out.data_ptr(), out.stride(1))
@@ -321,10 +331,11 @@ def gemm_bf16_into(a, b, out, alpha: float, threads: int, bias=None, beta: float
     bfloat16 tensor of out's row shape. Written by the bf16 kernel itself (its last K panel
     rounds into out). False, nothing written, where this CPU's bf16 back-end cannot do that or
     out has no unit column stride: the caller computes another way."""
+    A, B = operand_raw(a), operand_raw(b)
+    params = _override_params(A, B, threads, "bf16")
     if bias is not None:
         bias = bias.to(torch.float32).contiguous()
-    return _run_bf16c("torch", a, b, operand_raw(a), operand_raw(b), operand_raw(out), alpha,
-                      threads, None, bias, beta)
+    return _run_bf16c("torch", a, b, A, B, operand_raw(out), alpha, threads, params, bias, beta)
 
 
 _ws = threading.local()
