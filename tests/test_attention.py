@@ -164,6 +164,46 @@ def test_install_serves_sdpa_forward_and_backward():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("aten_ms, aten_forward", [(0.5, True), (2.0, False)])
+def test_first_use_races_the_forward_against_atens(monkeypatch, aten_ms, aten_forward):
+    """With first-use tuning on, the forward is raced against ATen's flash forward once per
+    problem (timings faked here); where ATen's wins twice it runs the forward, autohc's kernel
+    the backward on ATen's out and logsumexp, and the results stay stock's."""
+    from autohc.bench import timing
+    from autohc.tune import first_use
+    raced = []
+
+    def fake(fns, **kw):
+        raced.append(sorted(fns))
+        return {k: timing.Timing((aten_ms if k == "aten" else 1.0) * 1e-3, 0.01) for k in fns}
+    monkeypatch.setattr(A.timing, "interleaved", fake)
+    monkeypatch.setenv("AUTOHC_FIRST_USE", "1")
+    monkeypatch.setattr(A, "_forward_aten", {})
+    q, k, v = qkv_views(2, 40, 4, 24, seed=4)
+    stock = _sdpa_step(q, k, v)
+    before = dict(A.stats)
+    with autohc.installed():
+        got = _sdpa_step(q, k, v)
+        got2 = _sdpa_step(q, k, v)                         # the same problem: not raced again
+    assert not first_use.enabled()
+    assert raced == [["aten", "autohc"]] * (2 if aten_forward else 1)
+    assert A.stats["aten"] - before["aten"] == (2 if aten_forward else 0)          # the forwards
+    assert A.stats["autohc"] - before["autohc"] == (2 if aten_forward else 4)      # + the backwards
+    for a, b, c in zip(got, got2, stock):
+        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(b, c, rtol=1e-4, atol=1e-5)
+
+
+def test_no_forward_race_without_first_use_tuning(monkeypatch):
+    monkeypatch.setattr(A.timing, "interleaved", lambda fns, **kw: pytest.fail("raced"))
+    monkeypatch.setattr(A, "_forward_aten", {})
+    q, k, v = qkv_views(2, 40, 4, 24, seed=5)
+    before = A.stats["autohc"]
+    with autohc.installed():                               # (AUTOHC_FIRST_USE=0 in the suite)
+        _sdpa_step(q, k, v)
+    assert A.stats["autohc"] - before == 2
+
+
 @pytest.mark.parametrize("case", ["mask", "causal", "float64", "dropout", "empty", "head_dims"])
 def test_install_leaves_what_it_does_not_serve_to_aten(case):
     """Masks, the causal mask, other dtypes, zero-size: ATen's own flash kernel, bit for bit.
