@@ -293,6 +293,26 @@ def test_a_winner_is_kept_only_if_it_wins_a_second_race_and_its_figures_are_that
     assert kept == "default" and asked == [] and times["b"].median == 0.999
 
 
+def test_aten_is_faster_only_if_it_wins_twice_by_medians_alone():
+    from autohc.bench.timing import Timing
+    from autohc.tune.pipeline import faster_twice
+    asked = []
+
+    def retime(ours_ms, aten_ms):
+        def run(names):
+            asked.append(list(names))
+            return {"ours": Timing(ours_ms, 0.2), "aten": Timing(aten_ms, 0.2)}
+        return run
+    first = {"ours": Timing(1.0, 0.2), "aten": Timing(0.99, 0.2), "b": Timing(0.5, 0.0)}
+    assert faster_twice(first, "ours", "aten", retime(1.0, 0.98)) == (True, retime(1.0, 0.98)([]))
+    assert asked[0] == ["ours", "aten"]                  # no margin, though within the spread
+    assert faster_twice(first, "ours", "aten", retime(1.0, 1.01))[0] is False
+    asked.clear()
+    assert faster_twice({**first, "aten": Timing(1.0, 0.2)}, "ours", "aten", retime(1.0, 0.5)) == (False, {})
+    assert faster_twice({"ours": Timing(1.0, 0.2)}, "ours", "aten", retime(1.0, 0.5)) == (False, {})
+    assert asked == []                                   # not faster first (or not raced): no second race
+
+
 def test_tune_reports_the_default_remeasured_in_the_race(fresh_cache):
     r = tuner.tune_problem(GemmProblem("race", "NN", 96, 64, 80), 1, trials=3, timeout=120)
     j = r.to_json()

@@ -32,7 +32,7 @@ from ..kernels.attention.params import KERNEL
 from ..bench import timing
 from ..kernels.gemm.matmul import AtenFaster
 from ..runtime.memory import fresh_empty
-from ..tune import first_use, registry
+from ..tune import first_use, pipeline, registry
 from . import fallback
 from .threads import kernel_threads
 
@@ -400,10 +400,10 @@ def _aten_forward_faster(q, k, v, scale) -> bool:
         runs = {"autohc": lambda: forward_kernel(q, k, v, scale),
                 "aten": lambda: fallback.call_captured(ATEN_FLASH[FLASH], q, k, v, 0.0, False, scale=scale)}
 
-        def faster():
-            t = timing.interleaved(runs, samples=first_use.SAMPLES, warmup=1, max_seconds=first_use.budget_s())
-            return t["aten"].median < t["autohc"].median
-        hit = faster() and faster()
+        def race(names):
+            return timing.interleaved({n: runs[n] for n in names}, samples=first_use.SAMPLES, warmup=1,
+                                      max_seconds=first_use.budget_s())
+        hit = pipeline.faster_twice(race(list(runs)), "autohc", "aten", race)[0]
         if len(_forward_aten) >= MAX_FORWARD_PROBLEMS:
             _forward_aten.clear()
         _forward_aten[key] = hit

@@ -249,13 +249,9 @@ def _race(t: Tuning) -> None:
         first = race(list(runs))
         # autohc's kernel: the default unless a candidate beats it clearly, twice
         ours, times = pipeline.pick_confirmed({k: v for k, v in first.items() if k != "aten"}, "default", race)
-        # then ATen's, where it is the faster of the two in this race and in one more of the two
-        # alone (no margin: at a tie either is as good, and install() must never be slower)
-        t.aten = "aten" in first and first["aten"].median < first[ours].median
-        if t.aten:
-            again = race([ours, "aten"])
-            t.aten = again["aten"].median < again[ours].median
-            times = {**times, **again}
+        # then ATen's, where it beats that one twice
+        t.aten, again = pipeline.faster_twice(first, ours, "aten", race)
+        times = {**times, **again}
     finally:
         _busy.on = False
     gf = {k: t.problem.flops / v.median / 1e9 for k, v in {**first, **times}.items()}

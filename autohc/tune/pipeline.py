@@ -8,7 +8,8 @@ KernelError, WrongResult) fails the trial, so a wrong or broken kernel can never
 The operator tuner calls it; the GEMM tuner takes the same three steps in its objective
 (get_kernel, GemmVerifier, then `race` at the tuned thread count). After the search, `race` times the finalists (the best few and the default) again, longer and
 side by side, and `pick` keeps the default unless a finalist beats it by more than the spread;
-`pick_confirmed` races such a finalist against the default once more before it is kept.
+`pick_confirmed` races such a finalist against the default once more before it is kept;
+`faster_twice` says whether ATen's kernel beat the one kept, twice (install()'s first-use races).
 """
 from __future__ import annotations
 
@@ -75,6 +76,18 @@ def pick_confirmed(times: dict[str, timing.Timing], default: str,
         return kept, times
     again = retime([default, kept])
     return (kept if pick(again, default) == kept else default), again
+
+
+def faster_twice(times: dict[str, timing.Timing], ours: str, other: str,
+                 retime: Callable[[list[str]], dict[str, timing.Timing]]) -> tuple[bool, dict[str, timing.Timing]]:
+    """Whether `other` (ATen's kernel) ran faster than `ours` in `times` and again in a second
+    race of the two (`retime([ours, other])`), by medians with no margin: at a tie either is as
+    good, and install() must never keep the slower. Returns it and the second race's timings
+    ({} where there was none)."""
+    if other not in times or times[other].median >= times[ours].median:
+        return False, {}
+    again = retime([ours, other])
+    return again[other].median < again[ours].median, again
 
 
 def evaluate(c: Candidate, baseline: Callable[[], object], *, samples: int = 5,
