@@ -5,10 +5,12 @@ the dot-product back-end P and dS are rounded to bf16 before their products (2^-
 averaging out over the keys): |err| <= 1e-2 |ref| + 8e-3 max|ref| + 1e-5 per tensor
 (the last for gradients that are zero in exact arithmetic, one key); the
 log-sum-exp sees only fp32 sums over the head dim (1e-5). Every back-end this CPU runs is
-checked (AVX512_BF16 dot products, and the fp32 ISAs on widened inputs); the dot-product one
-is compiled everywhere."""
+checked (AMX tiles, AVX512_BF16 dot products, and the fp32 ISAs on widened inputs); the AMX
+one also with its tiles emulated in C wherever AVX512_BF16 runs, and both are compiled
+everywhere."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 import subprocess
@@ -23,14 +25,18 @@ from autohc.kernels.attention import AttentionParams, default_attention
 from autohc.kernels.attention.codegen import render_attention
 from autohc.kernels.attention.params import bf16_attention
 from autohc.kernels.family import ParamError
+from autohc.kernels.gemm.kernel import tile_emulation
 from autohc.torch import attention as A
 from autohc.torch.threads import set_kernel_threads
 
-RUNNABLE = [i for i in ("avx512bf16",) if i in cpu.runnable_bf16_isas()] + cpu.runnable_isas()[:2]
+DOT = "avx512bf16" in cpu.runnable_bf16_isas()     # (AMX's softmax and packs need it too)
+RUNNABLE = ([i for i in ("amx", "avx512bf16") if DOT and i in cpu.runnable_bf16_isas()]
+            + cpu.runnable_isas()[:2])
+SHAPES = [(256, 256, 64, None), (37, 53, 72, -0.3), (1, 5, 7, None), (300, 301, 33, 0.05), (64, 1, 80, None)]
 
 
 def params(isa: str) -> AttentionParams:
-    base = "avx2" if isa == "avx2" else "avx512" if isa == "avx512bf16" else isa
+    base = "avx2" if isa == "avx2" else "avx512" if isa in ("avx512bf16", "amx") else isa
     return bf16_attention(default_attention(base), isa)
 
 
@@ -58,12 +64,9 @@ def close(got, want):
     torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=8e-3 * want.abs().max().item() + 1e-5)
 
 
-@pytest.mark.parametrize("isa", RUNNABLE)
-@pytest.mark.parametrize("L,S,D,scale", [(256, 256, 64, None), (37, 53, 72, -0.3), (1, 5, 7, None),
-                                         (300, 301, 33, 0.05), (64, 1, 80, None)])
-def test_forward_and_backward_match_float64(isa, L, S, D, scale):
-    q, k, v, grad = inputs(2, 3, L, S, D, seed=L + S + D)
-    with A.forced_params(params(isa)):
+def check_against_float64(p: AttentionParams, B, H, L, S, D, scale):
+    q, k, v, grad = inputs(B, H, L, S, D, seed=L + S + D)
+    with A.forced_params(p):
         out, lse = A.forward_kernel(q, k, v, scale)
         dq, dk, dv = A.backward_kernel(grad, q, k, v, out, lse, scale)
     ro, rl, rq, rk, rv = reference(q, k, v, grad, A._scale(scale, D))
@@ -71,6 +74,24 @@ def test_forward_and_backward_match_float64(isa, L, S, D, scale):
     torch.testing.assert_close(lse.double(), rl, rtol=1e-5, atol=1e-5 * math.sqrt(D))
     for got, want in ((out, ro), (dq, rq), (dk, rk), (dv, rv)):
         close(got, want)
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("L,S,D,scale", SHAPES)
+def test_forward_and_backward_match_float64(isa, L, S, D, scale):
+    check_against_float64(params(isa), 2, 3, L, S, D, scale)
+
+
+@pytest.mark.skipif(not DOT, reason="the AMX kernel's vector code needs AVX512_BF16")
+@pytest.mark.parametrize("L,S,D,scale", [(37, 53, 72, -0.3), (1, 5, 7, None), (70, 33, 16, None)])
+def test_amx_with_emulated_tiles_matches_float64(L, S, D, scale):
+    """The AMX kernel with its tile instructions run in C (gemm/amx_emulated.h.j2, which
+    records what a CPU would fault on): ragged keys, queries and head dims, blocks of keys
+    and queries past one tile (block_q 32, block_k 32: the online softmax over several
+    blocks)."""
+    with tile_emulation():
+        check_against_float64(params("amx"), 1, 2, L, S, D, scale)
+        check_against_float64(dataclasses.replace(params("amx"), block_q=32, qv=2, block_k=32), 1, 1, 70, 75, 40, None)
 
 
 def test_odd_strides_and_unaligned_rows():
@@ -149,19 +170,23 @@ def test_params_are_validated():
         AttentionParams(isa="avx512bf16", vl=16).validate()
     with pytest.raises(ParamError, match="even"):
         AttentionParams(isa="avx512bf16", vl=16, dtype="bf16", block_k=255).validate()
+    with pytest.raises(ParamError, match="multiples of 32"):
+        AttentionParams(isa="amx", vl=16, dtype="bf16", block_q=48, qv=1).validate()
+    assert params("amx").amx and params("amx").dot and not params("avx512bf16").amx
     p = params("avx512bf16")
     assert p.dot and p.symbol().endswith("_bf16") and p.symbol() != default_attention("avx512").symbol()
     assert not params("avx512").dot
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
-@pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "fp32"])
+@pytest.mark.parametrize("isa", ["amx", "amx-emulated", "avx512bf16", "avx512", "avx2", "fp32"])
 def test_bf16_attention_compiles_standalone(isa, tmp_path):
-    """Every warning an error; the dot-product back-end builds on CPUs that cannot run it (and
-    the fp32 source, which shares the template)."""
-    p = default_attention("avx512") if isa == "fp32" else params(isa)
-    src = render_attention(p)
-    assert ("_mm512_dpbf16_ps" in src) == (isa == "avx512bf16")
+    """Every warning an error; the AMX and dot-product back-ends build on CPUs that cannot run
+    them (and the fp32 source, which shares the template)."""
+    p = default_attention("avx512") if isa == "fp32" else params(isa.split("-")[0])
+    src = render_attention(p, emulate_tiles=isa == "amx-emulated")
+    assert ("_mm512_dpbf16_ps" in src) == (isa in ("avx512bf16", "amx", "amx-emulated"))  # (amx: unused)
+    assert ("_tile_dpbf16ps(" in src) == isa.startswith("amx")
     c = tmp_path / f"{isa}.c"
     c.write_text(src)
     cmd = ["gcc", "-O3", "-std=gnu11", "-fno-strict-aliasing", "-Wall", "-Wextra", "-Werror", "-fPIC",

@@ -7,7 +7,7 @@ autograd, and the CPU kernels that autohc.install() puts under F.scaled_dot_prod
                                                   CPU) and its backward
 
 Served: float32 or bfloat16 CPU tensors (bf16: what SDPA sees under torch.autocast; fp32 sums,
-on AVX512_BF16 dot products where the CPU has them), 4-D, q, k, v of one batch, head count and head dim, the last dim
+on AMX tiles or AVX512_BF16 dot products where the CPU has them), 4-D, q, k, v of one batch, head count and head dim, the last dim
 contiguous (other strides are read in place), no mask, no causal mask, no dropout (SDPA runs
 dropout on its math path, never on this op). Everything else goes to ATen's own flash kernel,
 captured before install() registers its own, so those calls give exactly ATen's result.
@@ -30,6 +30,7 @@ from ..kernels.isa import ISAS
 from ..kernels.attention.codegen import library
 from ..kernels.attention.params import KERNEL
 from ..bench import timing
+from ..kernels.gemm.kernel import tiles_emulated
 from ..kernels.gemm.matmul import AtenFaster
 from ..runtime.memory import fresh_empty
 from ..tune import first_use, pipeline, registry
@@ -72,21 +73,24 @@ def params_for(dtype: torch.dtype = torch.float32) -> AttentionParams:
 
 
 def bf16_isa() -> tuple[str, str]:
-    """(back-end, why) of bf16 attention: AVX512_BF16 dot products where the CPU has them
-    (AMX CPUs too: the attention tiles are vector tiles), else the fp32 kernels on widened
-    inputs; AUTOHC_BF16_ISA picks as for the GEMMs."""
+    """(back-end, why) of bf16 attention: as the GEMMs' (cpu.bf16_isa: AMX tiles, AVX512_BF16
+    dot products, else the fp32 kernels on widened inputs; AUTOHC_BF16_ISA picks). The AMX
+    kernel's softmax and packs are AVX512_BF16 vector code, so AMX without it takes the fp32
+    kernels."""
     isa, why = cpu.bf16_isa()
-    if isa == "amx":
-        if "avx512bf16" in cpu.runnable_bf16_isas():
-            return "avx512bf16", "AVX512_BF16 dot products (vdpbf16ps)"
+    if isa == "amx" and "avx512bf16" not in cpu.runnable_bf16_isas():
         isa = cpu.best_isa()
         return isa, f"bf16 inputs widened to fp32 on the {isa} kernels"
     return isa, why
 
 
-@functools.lru_cache(maxsize=None)
 def _functions(p: AttentionParams):
-    lib = library(p)
+    return _functions_of(p, p.amx and tiles_emulated())
+
+
+@functools.lru_cache(maxsize=None)
+def _functions_of(p: AttentionParams, emulate_tiles: bool):
+    lib = library(p, emulate_tiles)
     sym = p.symbol()
     return lib.ffi, getattr(lib.lib, f"{sym}_forward"), getattr(lib.lib, f"{sym}_backward")
 
@@ -149,6 +153,9 @@ def _scale(scale: float | None, head_dim: int) -> float:
 
 
 def _check(rc: int, what: str) -> None:
+    if rc == -2:
+        raise RuntimeError(f"autohc attention {what}: the OS did not permit the AMX tiles "
+                           "(ARCH_REQ_XCOMP_PERM); AUTOHC_BF16_ISA=avx512bf16 runs without them")
     if rc != 0:
         raise MemoryError(f"autohc attention {what}: a thread could not allocate its buffers")
 

@@ -11,19 +11,23 @@ from ..render import environment
 from .params import AttentionParams
 
 
-def render_attention(params: AttentionParams) -> str:
+def render_attention(params: AttentionParams, emulate_tiles: bool = False) -> str:
+    """emulate_tiles (isa amx only): the tile instructions run in C (gemm/amx_emulated.h.j2),
+    for tests on CPUs without AMX; never for speed."""
     p = params.validate()
+    if emulate_tiles and not p.amx:
+        raise ValueError(f"emulate_tiles: only the amx back-end has tiles, not {p.isa}")
     return environment().get_template("ops/attention.c.j2").render(
-        sym=p.symbol(), bf16=p.dtype == "bf16", dot=p.dot,
+        sym=p.symbol(), bf16=p.dtype == "bf16", dot=p.dot, amx=p.amx, emulate_tiles=emulate_tiles,
         elem="uint16_t" if p.dtype == "bf16" else "float", pk="pk_t" if p.dot else "float",
         **p.to_dict())
 
 
 @functools.lru_cache(maxsize=None)
-def library(params: AttentionParams):
+def library(params: AttentionParams, emulate_tiles: bool = False):
     """The compiled, pool-bound library at these parameters (built once per process)."""
-    src = render_attention(params)
+    src = render_attention(params, emulate_tiles)
     lib = build(src, exported_declarations(src), params.cflags,
-                meta={"op": "attention", "params": params.to_dict()})
+                meta={"op": "attention", "params": params.to_dict(), "emulate_tiles": emulate_tiles})
     pool.bind(lib, params.symbol())
     return lib

@@ -29,7 +29,9 @@ class AttentionParams:
     prefetch: int = 1           # 1: the next task's rows are prefetched into L2 during this one
     threads: int = 0            # most threads a call splits over: 0 = all it is given
     # bf16: q, k, v and the outputs in bfloat16, every sum fp32; isa avx512bf16 runs the score
-    # and queries-in-lanes product tiles on vdpbf16ps, the fp32 ISAs widen the inputs instead
+    # and queries-in-lanes product tiles on vdpbf16ps, isa amx every product on AMX-BF16 tiles
+    # (block_q, block_k multiples of 32; the vector tiles above are then unused), the fp32 ISAs
+    # widen the inputs instead
     dtype: str = "fp32"
 
     def validate(self) -> "AttentionParams":
@@ -38,7 +40,7 @@ class AttentionParams:
                 raise ParamError(f"{name}={getattr(self, name)!r}: an int")
         if self.dtype not in ("fp32", "bf16"):
             raise ParamError(f"dtype={self.dtype!r}: 'fp32' or 'bf16'")
-        isas = ISAS if self.dtype == "fp32" else {**ISAS, "avx512bf16": BF16_ISAS["avx512bf16"]}
+        isas = ISAS if self.dtype == "fp32" else {**ISAS, **BF16_ISAS}
         if self.isa not in isas:
             raise ParamError(f"isa={self.isa!r}: {self.dtype} attention runs on one of {tuple(isas)}")
         spec = isas[self.isa]
@@ -49,10 +51,11 @@ class AttentionParams:
         # accumulators + the loaded row must fit the vector registers, or the tile spills
         if not 1 <= self.qv <= 8 or not 1 <= self.fk <= 15 or not 1 <= self.fd <= 15:
             raise ParamError(f"qv={self.qv}, fk={self.fk}, fd={self.fd}: qv in [1, 8], fk and fd in [1, 15]")
+        registers = 32 if self.amx else spec.registers      # (amx's counts its 8 tiles)
         for name, tile in (("mr*dc", self.mr * self.dc + self.dc),
                            ("fk*qv", self.fk * self.qv + self.qv), ("fd*qv", self.fd * self.qv + self.qv)):
-            if tile > spec.registers:
-                raise ParamError(f"{name} tile needs {tile} vector registers; {self.isa} has {spec.registers}")
+            if tile > registers:
+                raise ParamError(f"{name} tile needs {tile} vector registers; {self.isa} has {registers}")
         if not 1 <= self.block_q <= 1024:
             raise ParamError(f"block_q={self.block_q}: an int in [1, 1024]")
         if self.block_q % (self.qv * self.vl):
@@ -61,6 +64,9 @@ class AttentionParams:
             raise ParamError(f"block_k={self.block_k}: an int in [1, 8192]")
         if self.dot and self.block_k % 2:
             raise ParamError(f"block_k={self.block_k}: even on {self.isa} (keys go in pairs)")
+        if self.amx and (self.block_q % 32 or self.block_k % 32):
+            raise ParamError(f"block_q={self.block_q}, block_k={self.block_k}: multiples of 32 on amx "
+                             "(16 pairs, one tile's K)")
         if self.prefetch not in (0, 1):
             raise ParamError(f"prefetch={self.prefetch}: 0 or 1")
         if not 0 <= self.threads <= 1024:
@@ -71,6 +77,12 @@ class AttentionParams:
     def dot(self) -> bool:
         """The bf16 dot-product tiles (vdpbf16ps) run; else fp32 tiles."""
         return self.dtype == "bf16" and self.isa in BF16_ISAS
+
+    @property
+    def amx(self) -> bool:
+        """Every product on AMX-BF16 tiles (tdpbf16ps); the vector code around them is
+        AVX512_BF16's."""
+        return self.dtype == "bf16" and self.isa == "amx"
 
     @property
     def cflags(self) -> tuple[str, ...]:

@@ -131,8 +131,9 @@ _emulating_tiles = False
 
 @contextlib.contextmanager
 def tile_emulation():
-    """Inside: kernels of the amx back-end are the ones whose tile instructions run in C
-    (GemmKernel's emulate_tiles), so tests run the AMX code on any CPU with AVX512_BF16.
+    """Inside: kernels of the amx back-end (GEMM and attention) are the ones whose tile
+    instructions run in C (GemmKernel's emulate_tiles, the attention library's), so tests run
+    the AMX code on any CPU with AVX512_BF16.
     Process-wide; for tests only (emulated tiles are thousands of times slower)."""
     global _emulating_tiles
     before, _emulating_tiles = _emulating_tiles, True
@@ -140,6 +141,11 @@ def tile_emulation():
         yield
     finally:
         _emulating_tiles = before
+
+
+def tiles_emulated() -> bool:
+    """Whether tile_emulation() is on (the attention kernels' amx back-end reads it too)."""
+    return _emulating_tiles
 
 
 def get_kernel(params: GemmParams) -> GemmKernel:
