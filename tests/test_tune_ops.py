@@ -144,3 +144,17 @@ def test_bf16_attention_space_prunes_combinations_it_cannot_build(reg, monkeypat
     monkeypatch.setattr(op_tuner, "grid", lambda *a, **k: dict(space))
     r = op_tuner.tune_op("attention", 1, images=1, repeats=1, timeout=60, dtype="bf16")
     assert r["kernel"] == "attention_bf16" and r["params"]["block_q"] == d.qv * d.vl
+
+
+@pytest.mark.skipif(cpu.best_isa() != "avx512", reason="the amx kernel's vectors are AVX-512's")
+def test_amx_attention_searches_only_what_its_tiles_read(monkeypatch):
+    """On the amx back-end the products are tiles: the vector micro-tiles' knobs are held at
+    the default's values, so a time-limited grid never spends trials on copies of one kernel."""
+    from autohc.torch import attention
+    monkeypatch.setattr(attention, "bf16_isa", lambda: ("amx", "test"))
+    target = op_tuner._Target("attention", cpu.best_isa(), 2, bf16=True)
+    assert target.default.amx
+    assert len(target.space["block_q"]) > 1 and len(target.space["block_k"]) > 1
+    for k, values in target.space.items():
+        if k not in op_tuner.AMX_ATTENTION_KNOBS:
+            assert values == [getattr(target.default, k)], k

@@ -81,6 +81,10 @@ def _attention_case(images: int, dtype: torch.dtype = torch.float32):
     return f"{images}x{heads}x{T}x{hd}", 12 * q.numel() * q.element_size(), mine, theirs
 
 
+# what the attention kernel's amx back-end reads of the search space (the products are tiles)
+AMX_ATTENTION_KNOBS = ("block_q", "block_k", "prefetch", "threads")
+
+
 class _Target:
     """What the search needs of one kernel: its space, how to make, force and build
     parameters, its default, and where the result is recorded."""
@@ -97,6 +101,9 @@ class _Target:
                 bisa = attention.bf16_isa()[0]
                 self.make = lambda knobs: bf16_attention(AttentionParams(isa=isa, **knobs), bisa)
                 self.default = bf16_attention(default_attention(isa), bisa)
+                if self.default.amx:    # no vector micro-tiles there: theirs held at the default
+                    self.space = {k: v if k in AMX_ATTENTION_KNOBS else [getattr(self.default, k)]
+                                  for k, v in self.space.items()}
             else:
                 self.make = lambda knobs: AttentionParams(isa=isa, **knobs)
                 self.default = default_attention(isa)
