@@ -68,6 +68,9 @@ def test_info_json_has_the_bf16_peak():
     # which form the bf16 skinny (adaLN) paths take here: the kernel's own probe
     assert info["bf16_skinny_unit"] in (None, "dot", "fma", "tile")
     assert (info["bf16_skinny_unit"] is None) == (info["bf16_backend"] == "fp32 fallback")
+    # which back-end bf16 attention runs, and why: the GEMMs' where its vector code runs too
+    isa, why = info["attention_bf16"].split(": ", 1)
+    assert isa == info["bf16_backend"] or (info["bf16_backend"] != "avx512bf16" and isa in ("avx512", "avx2", "portable"))
     r = autohc("info")
     assert r.returncode == 0 and "bf16_peak: " in r.stdout and "bf16_backend" not in r.stdout
-    assert "bf16_skinny: " in r.stdout
+    assert "bf16_skinny: " in r.stdout and "attention_bf16: " in r.stdout

@@ -13,6 +13,7 @@ def cmd_info(args) -> int:
     from ..kernels import archs
     from ..kernels.gemm.kernel import bf16_skinny_unit
     from ..runtime import memory, plan
+    from ..torch import attention
     from ..tune import registry
     info = cpu.detect()
     isa = cpu.best_isa(info)
@@ -32,6 +33,7 @@ def cmd_info(args) -> int:
         "bf16_tile_peak_gflops_per_core": _round(bf16["tile_gflops_per_core"]),
         "bf16_backend": bf16["backend"], "bf16_backend_why": bf16["why"],
         "bf16_skinny_unit": bf16_skinny_unit(bf16["backend"]),
+        "attention_bf16": "{}: {}".format(*attention.bf16_isa()),
         "cpu_plan": plan.current().describe(),
         "kernel_threads": _team_line(),
         "result_pool": memory.pool.describe(),
