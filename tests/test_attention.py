@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autohc
+from autohc.bench import timing
 from autohc.kernels.attention import AttentionParams, default_attention
 from autohc.kernels.attention.codegen import render_attention
 from autohc.kernels.family import ParamError
@@ -169,14 +170,13 @@ def test_first_use_races_the_forward_against_atens(monkeypatch, aten_ms, aten_fo
     """With first-use tuning on, the forward is raced against ATen's flash forward once per
     problem (timings faked here); where ATen's wins twice it runs the forward, autohc's kernel
     the backward on ATen's out and logsumexp, and the results stay stock's."""
-    from autohc.bench import timing
     from autohc.tune import first_use
     raced = []
 
     def fake(fns, **kw):
         raced.append(sorted(fns))
         return {k: timing.Timing((aten_ms if k == "aten" else 1.0) * 1e-3, 0.01) for k in fns}
-    monkeypatch.setattr(A.timing, "interleaved", fake)
+    monkeypatch.setattr(timing, "interleaved", fake)
     monkeypatch.setenv("AUTOHC_FIRST_USE", "1")
     monkeypatch.setattr(A, "_forward_aten", {})
     q, k, v = qkv_views(2, 40, 4, 24, seed=4)
@@ -195,7 +195,7 @@ def test_first_use_races_the_forward_against_atens(monkeypatch, aten_ms, aten_fo
 
 
 def test_no_forward_race_without_first_use_tuning(monkeypatch):
-    monkeypatch.setattr(A.timing, "interleaved", lambda fns, **kw: pytest.fail("raced"))
+    monkeypatch.setattr(timing, "interleaved", lambda fns, **kw: pytest.fail("raced"))
     monkeypatch.setattr(A, "_forward_aten", {})
     q, k, v = qkv_views(2, 40, 4, 24, seed=5)
     before = A.stats["autohc"]

@@ -29,7 +29,6 @@ from ..kernels.family import ParamError
 from ..kernels.isa import ISAS
 from ..kernels.attention.codegen import library
 from ..kernels.attention.params import KERNEL
-from ..bench import timing
 from ..kernels.gemm.kernel import tiles_emulated
 from ..kernels.gemm.matmul import AtenFaster
 from ..runtime.memory import fresh_empty
@@ -73,15 +72,11 @@ def params_for(dtype: torch.dtype = torch.float32) -> AttentionParams:
 
 
 def bf16_isa() -> tuple[str, str]:
-    """(back-end, why) of bf16 attention: as the GEMMs' (cpu.bf16_isa: AMX tiles, AVX512_BF16
+    """(back-end, why) of bf16 attention: the GEMMs' (cpu.bf16_isa: AMX tiles, AVX512_BF16
     dot products, else the fp32 kernels on widened inputs; AUTOHC_BF16_ISA picks). The AMX
-    kernel's softmax and packs are AVX512_BF16 vector code, so AMX without it takes the fp32
-    kernels."""
-    isa, why = cpu.bf16_isa()
-    if isa == "amx" and "avx512bf16" not in cpu.runnable_bf16_isas():
-        isa = cpu.best_isa()
-        return isa, f"bf16 inputs widened to fp32 on the {isa} kernels"
-    return isa, why
+    kernel's softmax and packs are AVX512_BF16 vector code, which every CPU that cpu.bf16_isa
+    gives amx runs (runnable_bf16_isas lists amx only beside avx512bf16)."""
+    return cpu.bf16_isa()
 
 
 def _functions(p: AttentionParams):
@@ -406,10 +401,7 @@ def _aten_forward_faster(q, k, v, scale) -> bool:
     if hit is None:
         runs = {"autohc": lambda: forward_kernel(q, k, v, scale),
                 "aten": lambda: fallback.call_captured(ATEN_FLASH[FLASH], q, k, v, 0.0, False, scale=scale)}
-
-        def race(names):
-            return timing.interleaved({n: runs[n] for n in names}, samples=first_use.SAMPLES, warmup=1,
-                                      max_seconds=first_use.budget_s())
+        race = first_use.racer(runs)
         hit = pipeline.faster_twice(race(list(runs)), "autohc", "aten", race)[0]
         if len(_forward_aten) >= MAX_FORWARD_PROBLEMS:
             _forward_aten.clear()

@@ -30,6 +30,7 @@ import dataclasses
 import os
 import threading
 import time
+from typing import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -221,6 +222,14 @@ def _start(layout: str, M: int, K: int, N: int, threads: int, dtype: str) -> Tun
     return t
 
 
+def racer(runs: dict) -> Callable[[list[str]], dict]:
+    """A first-use race over `runs` (name -> callable): times the named ones side by side by
+    the one timing protocol, within the race budget (pipeline.pick_confirmed's and
+    faster_twice's `retime`)."""
+    return lambda names: timing.interleaved({k: runs[k] for k in names}, samples=SAMPLES, warmup=1,
+                                            max_seconds=budget_s())
+
+
 def _race(t: Tuning) -> None:
     t0 = time.perf_counter()
     _busy.on = True
@@ -243,9 +252,7 @@ def _race(t: Tuning) -> None:
         if aten is not None:            # ATen's own kernel, into the same C
             runs["aten"] = lambda: aten(a, b, out)
 
-        def race(names):
-            return timing.interleaved({k: runs[k] for k in names}, samples=SAMPLES, warmup=1,
-                                      max_seconds=budget_s())
+        race = racer(runs)
         first = race(list(runs))
         # autohc's kernel: the default unless a candidate beats it clearly, twice
         ours, times = pipeline.pick_confirmed({k: v for k, v in first.items() if k != "aten"}, "default", race)
