@@ -284,7 +284,10 @@ def test_params_validation():
     with pytest.raises(ParamError, match="a_direct"):
         GemmParams(**{**amx, "a_outer": False, "a_direct": True}).validate()
     with pytest.raises(ParamError, match="a_direct"):
-        GemmParams(isa="avx512bf16", vl=16, mr=12, nr=32, dtype="bf16", a_outer=True, a_direct=True).validate()
+        GemmParams(isa="avx512bf16", vl=16, mr=12, nr=32, dtype="bf16", a_outer=False, a_direct=True).validate()
+    with pytest.raises(ParamError, match="a_direct"):
+        GemmParams(isa="avx512", vl=16, mr=12, nr=32, dtype="bf16", skinny_m=0, a_outer=True, a_direct=True).validate()
+    assert GemmParams(isa="avx512bf16", vl=16, mr=12, nr=32, dtype="bf16", a_outer=True, a_direct=True).validate().a_direct
     assert "a_direct" not in GemmParams(**{**amx, "a_outer": True, "a_direct": False}).validate().to_dict()
     x = GemmParams(**{**default_params("amx", dtype="bf16").to_dict(), "c_tiles": False}).validate()
     y = GemmParams(**{**x.to_dict(), "c_tiles": True}).validate()
@@ -344,20 +347,28 @@ def test_amx_k_steps_inside_a_panel():
             check_bf16(out, a, b, bias.expand(71, 453), 0.5, -2.0, f"kc_inner bias t{threads}")
 
 
-@pytest.mark.skipif(not ({"amx", EMULATED_AMX} & set(BF16_UNITS)), reason="needs AMX, real or emulated")
-def test_amx_a_tiles_from_its_own_rows():
-    """a_direct: a bf16 A with rows contiguous along K and K in whole blocks of 32 (NT, NN)
-    feeds its tiles straight from its rows, a ragged last micro-panel packed; at any row
-    stride (a view of a wider A, an odd stride), over several K panels, with kc_inner steps
-    and without, own rows and shared A blocks on 2 threads. An A that cannot (TN, K not a
-    multiple of 32, an fp32 A rounded while packing) is packed as before. Against float64."""
+A_DIRECT_UNITS = [u for u in ("amx" if "amx" in BF16_UNITS else EMULATED_AMX, "avx512bf16") if u in BF16_UNITS]
+
+
+@pytest.mark.skipif(not A_DIRECT_UNITS, reason="needs AMX (real or emulated) or AVX512_BF16")
+@pytest.mark.parametrize("unit", A_DIRECT_UNITS)
+def test_a_from_its_own_rows(unit):
+    """a_direct: a bf16 A with rows contiguous along K and K in whole blocks of 32 (AMX) or
+    pairs (vdpbf16ps) (NT, NN) is read straight from its rows, a ragged last micro-panel
+    packed; at any row stride (a view of a wider A, an odd stride), over several K panels,
+    with kc_inner steps (amx) and without, own rows and shared A blocks on 2 threads. An A
+    that cannot (TN, an odd K, on AMX a K not a multiple of 32, an fp32 A rounded while
+    packing) is packed as before. Against float64."""
     rng = random.Random(43)
-    with backend("amx" if "amx" in BF16_UNITS else EMULATED_AMX):
-        configs = [bf16_params("amx", t, kc=64, mc=96, nc=96, a_outer=True, own_rows=own, a_direct=True,
-                               kc_inner=ki, **PACKED_ONLY) for t, own, ki in ((1, True, 0), (1, True, 32), (2, True, 0), (2, False, 32))]
+    with backend(unit) as isa:
+        steps = (0, 32, 0, 32) if isa == "amx" else (0, 0, 0, 0)
+        configs = [bf16_params(isa, t, kc=64, mc=96, nc=96, a_outer=True, own_rows=own, a_direct=True,
+                               kc_inner=ki, **PACKED_ONLY)
+                   for (t, own), ki in zip(((1, True), (1, True), (2, True), (2, False)), steps)]
         prebuild(configs)
         cases = (("NT", 71, 160, 101, 0, torch.bfloat16), ("NN", 71, 160, 101, 7, torch.bfloat16),
                  ("NT", 64, 96, 45, 33, torch.bfloat16), ("NN", 71, 161, 45, 0, torch.bfloat16),
+                 ("NN", 73, 98, 45, 3, torch.bfloat16),
                  ("TN", 71, 160, 45, 0, torch.bfloat16), ("NT", 71, 160, 45, 0, torch.float32))
         for p in configs:
             for i, (layout, m, k, n, wider, a_dtype) in enumerate(cases):

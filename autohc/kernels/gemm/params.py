@@ -99,9 +99,10 @@ class GemmParams:
     # took that away. A Xeon model 207 ran slower with it (templates/gemm/ukernel_amx.c.j2;
     # docs/history.md, "A store in the tile loop")
     sink_every: int = 0
-    # amx with a_outer only: where A is bf16 with rows contiguous along K (NT, NN) and K is a
-    # multiple of 32, the A tiles are loaded straight from A's rows (stride: A's row stride)
-    # and only a ragged last micro-panel is packed, so A is not copied (templates/gemm)
+    # amx or avx512bf16, with a_outer only: where A is bf16 with rows contiguous along K (NT,
+    # NN) and K is a multiple of 32 (amx) or 2, the A tiles (amx) or the pairs that vdpbf16ps
+    # broadcasts are loaded straight from A's rows and only a ragged last micro-panel is
+    # packed, so A is not copied (templates/gemm)
     a_direct: bool = False
     # amx only: a whole micro-tile of bf16 C (no bias, beta 0) is rounded into C among the
     # next micro-tile's K blocks, 4 rows per block, instead of right after its tile stores, so
@@ -182,9 +183,9 @@ class GemmParams:
                                  f"back-end's, not {self.isa}'s; must be 0")
             if self.sink_every & (self.sink_every - 1):
                 raise ParamError(f"sink_every={self.sink_every}: must be a power of two")
-        if self.a_direct and (self.isa != "amx" or not self.a_outer):
-            raise ParamError(f"a_direct: A tiles from A's own rows are the amx back-end's, with a_outer; "
-                             f"not {self.isa}'s{'' if self.a_outer else ' without a_outer'}")
+        if self.a_direct and (self.isa not in ("amx", "avx512bf16") or not self.a_outer):
+            raise ParamError(f"a_direct: A read from its own rows is the amx and avx512bf16 back-ends', "
+                             f"with a_outer; not {self.isa}'s{'' if self.a_outer else ' without a_outer'}")
         if self.own_rows_by_k and not (self.a_outer and self.own_rows):
             raise ParamError("own_rows_by_k: limits own rows by K; needs a_outer and own_rows")
         if self.own_rows_b_kib and not self.own_rows_by_k:
