@@ -108,7 +108,25 @@ def test_schedule_matches_reference_formulas():
     torch.testing.assert_close(d.q_sample(x0, t, noise), ac.sqrt() * x0 + (1 - ac).sqrt() * noise)
 
 
-@pytest.mark.parametrize("sampler,steps", [("ddim", 50), ("ddim", 7), ("ddpm", 1000)])
+def test_respaced_chain_keeps_each_kept_steps_alphas_cumprod():
+    """DDPM on fewer steps (the reference's SpacedDiffusion): the kept timesteps run evenly
+    from 0 to 999, the new betas join them so every kept step keeps its alphas_cumprod, and
+    on all 1000 steps the chain is the original one."""
+    d = GaussianDiffusion()
+    full, kept = d.respaced(1000)
+    assert kept == list(range(1000))
+    np.testing.assert_allclose(full.betas.numpy(), d.betas.numpy(), rtol=1e-9)
+    np.testing.assert_allclose(full.posterior_variance.numpy(), d.posterior_variance.numpy(), rtol=1e-9)
+    for n in (250, 7, 2, 1):
+        spaced, kept = d.respaced(n)
+        assert len(set(kept)) == n == spaced.num_timesteps and kept == sorted(kept)
+        assert kept[0] == 0 and (n == 1 or kept[-1] == 999)
+        np.testing.assert_allclose(spaced.alphas_cumprod.numpy(), d.alphas_cumprod[kept].numpy(), rtol=1e-12)
+    assert d.respaced(250)[1][:4] == [0, 4, 8, 12]      # stride 999/249 = 4.012
+
+
+@pytest.mark.parametrize("sampler,steps", [("ddim", 50), ("ddim", 7), ("ddpm", 1000), ("ddpm", 250),
+                                           ("ddpm", 1)])
 def test_samplers_reach_the_data_point_with_an_exact_noise_oracle(sampler, steps):
     d = GaussianDiffusion()
     target = torch.rand(3, 1, 8, 8) * 1.6 - 0.8
@@ -308,6 +326,13 @@ def test_train_cli_sample_and_eval(tmp_path, capsys):
     assert w > 2 * h                                     # 2 rows of 5
     assert main(["sample", "--ckpt", str(out), "--classes", "12", "--out", str(grid)]) == 1
     assert "out of range" in capsys.readouterr().err
+    ddpm = tmp_path / "ddpm.png"                         # DDPM on 3 of the 1000 steps
+    assert main(["sample", "--ckpt", str(out), "--classes", "1", "--per-class", "2", "--sampler", "ddpm",
+                 "--steps", "3", "--out", str(ddpm)]) == 0 and ddpm.stat().st_size > 0
+    with pytest.raises(SystemExit):
+        main(["sample", "--ckpt", str(out), "--steps", "1001", "--out", str(tmp_path / "no.png")])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "expected an integer in [1, 1000], got 1001" in err and not (tmp_path / "no.png").exists()
     assert main(["eval", "--ckpt", str(out), "--per-class", "3", "--sample-steps", "2", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["samples"] == 30 and 0 <= r["class_match"] <= 1 and r["frechet"] > 0

@@ -210,8 +210,9 @@ def test_diffusers_model_and_pipeline_against_autohc(world, tmp_path):
     """The converted DiTTransformer2DModel computes what autohc's model computes except for one
     difference of diffusers' DiT: its timestep embedding's frequencies are 10000^(-i/127)
     (Timesteps(downscale_freq_shift=1)) where the reference's are 10000^(-i/128). With that
-    set to the reference's, a DiTPipeline (DDPM, 1000 steps, no guidance) draws the image
-    `autohc sample --sampler ddpm` draws from the same seed."""
+    set to the reference's, a DiTPipeline (DDPM on 25 of the 1000 steps, no guidance) draws
+    the image `autohc sample --sampler ddpm --steps 25` draws from the same seed: both walk the
+    reference's respaced chain (the converted scheduler spaces its steps by "linspace")."""
     from autohc.dit.sample import decode_latents, generate, load_model
     out = tmp_path / "pipe"
     assert main(["convert", str(world["run"]), str(out), "--to", "diffusers"]) == 0
@@ -227,8 +228,8 @@ def test_diffusers_model_and_pipeline_against_autohc(world, tmp_path):
         theirs = pipe.transformer(x, timestep=t, class_labels=y).sample
     assert float((ours - theirs).abs().max()) <= 1e-5
     torch.manual_seed(11)
-    img = pipe(class_labels=[0, 2], guidance_scale=1.0, num_inference_steps=1000, output_type="pt").images
-    lat, _ = generate(model, arch, [0, 2], per_class=1, sampler="ddpm", cfg=1.0, seed=11)
+    img = pipe(class_labels=[0, 2], guidance_scale=1.0, num_inference_steps=25, output_type="pt").images
+    lat, _ = generate(model, arch, [0, 2], per_class=1, sampler="ddpm", steps=25, cfg=1.0, seed=11)
     mine = (decode_latents(lat, arch) / 2 + 0.5).clamp(0, 1)
     assert img.shape == mine.shape == (2, 3, 16, 16)
     assert float((img - mine).abs().max()) <= 1e-4, float((img - mine).abs().max())   # 4e-6 seen

@@ -26,6 +26,11 @@ def unit_interval(text: str) -> float:
     return _number(float, text, lambda v: 0 <= v < 1, "a number in [0, 1)")
 
 
+def sampling_steps(text: str) -> int:
+    """Diffusion sampling steps: DiT's chain has 1000 timesteps."""
+    return _number(int, text, lambda v: 1 <= v <= 1000, "an integer in [1, 1000]")
+
+
 def non_negative_int(text: str) -> int:
     return _number(int, text, lambda v: v >= 0, "an integer >= 0")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from ..bench.results import add_save_argument, recorder
 from ..dit.model import MODELS
 from .argtypes import (non_negative_int, output_dir, output_file, positive_float, positive_int,
-                       unit_interval)
+                       sampling_steps, unit_interval)
 
 # bench/step.py's MODES, spelled here so that parsing the command line does not import torch
 # (autohc train sets torch's OpenMP spin before torch loads); a test keeps the two equal
@@ -43,9 +43,11 @@ writes to --out: ckpt-<step>.pt (atomic; the last --keep kept), losses.csv, loss
 
 def _sampling_args(p, *, steps_alias: bool = False) -> None:
     p.add_argument("--sampler", choices=["ddim", "ddpm"], default="ddim",
-                   help="ddim (eta 0, --sample-steps steps) or ddpm (all 1000) (default: ddim)")
+                   help="ddim (eta 0) or ddpm (posterior variance) (default: ddim)")
     names = ("--sample-steps", "--steps") if steps_alias else ("--sample-steps",)
-    p.add_argument(*names, dest="sample_steps", type=positive_int, default=50, help="DDIM steps (default: 50)")
+    p.add_argument(*names, dest="sample_steps", type=sampling_steps, default=None,
+                   help="sampling steps, at most 1000 (default: ddim 50, ddpm all 1000; ddpm on fewer walks "
+                        "the reference DiT's respaced chain, as its sample.py does with 250)")
     p.add_argument("--cfg", type=positive_float, default=2.0,
                    help="classifier-free guidance scale; 1 = none (default: 2)")
 
@@ -237,11 +239,17 @@ def _fused_ops(args):
     return autohc_ops(not args.no_autohc)
 
 
+def _sample_steps(args) -> int:
+    """--sample-steps, or the sampler's default."""
+    from ..dit.diffusion import GaussianDiffusion
+    return args.sample_steps or GaussianDiffusion().default_steps(args.sampler)
+
+
 def _generate(model, arch, classes, per_class: int, args, progress: bool):
     """Samples of `classes` with the sampler, steps, guidance and seed the command was given."""
     from ..dit.sample import generate
     return generate(model, arch, classes, per_class=per_class, sampler=args.sampler,
-                    steps=args.sample_steps, cfg=args.cfg, seed=args.seed, progress=progress)
+                    steps=_sample_steps(args), cfg=args.cfg, seed=args.seed, progress=progress)
 
 
 def cmd_train(args) -> int:
@@ -276,7 +284,7 @@ def _train_in_group(args, launch) -> int:
                       ckpt_every=args.ckpt_every, keep=args.keep, seed=args.seed,
                       autohc=not args.no_autohc, threads=args.threads, image_size=args.image_size,
                       channels=args.channels, class_dropout=args.class_dropout,
-                      learn_sigma=args.learn_sigma, sample_steps=args.sample_steps, cfg=args.cfg,
+                      learn_sigma=args.learn_sigma, sample_steps=_sample_steps(args), cfg=args.cfg,
                       rank=launch.rank, world=launch.world,
                       comm="gloo" if args.no_comm_thread else "thread", log_every=args.log_every,
                       automem=args.automem, cftp=args.cftp, automem_state=args.automem_state,
@@ -381,7 +389,7 @@ def _eval_digits(ckpt, args, progress: bool) -> dict:
     if tuple(x.shape[1:]) != (1, 8, 8):
         raise ValueError(f"{path}: the VAE decodes to {tuple(x.shape[1:])}, not 1 x 8 x 8 digits")
     r = evaluate_digits(x, y)
-    r.update(ckpt=str(path), sampler=args.sampler, sample_steps=args.sample_steps, cfg=args.cfg)
+    r.update(ckpt=str(path), sampler=args.sampler, sample_steps=_sample_steps(args), cfg=args.cfg)
     return r
 
 
@@ -391,7 +399,7 @@ def cmd_eval(args) -> int:
     if args.json:
         print(json.dumps(r, indent=2))
     else:
-        print(f"{path}: {r['samples']} samples ({args.sampler}, {args.sample_steps} steps, cfg {args.cfg})\n"
+        print(f"{path}: {r['samples']} samples ({args.sampler}, {_sample_steps(args)} steps, cfg {args.cfg})\n"
               f"  classified as the class asked for: {100 * r['class_match']:.1f}%  "
               f"(per class: {', '.join(f'{k}: {100 * v:.0f}%' for k, v in r['per_class'].items())})\n"
               f"  Fréchet distance to the real digits: {r['frechet']:.3f}  "
@@ -415,7 +423,7 @@ def cmd_compare(args) -> int:
     summary = compare.summarize(runs)
     out = Path(args.out) if args.out else Path(args.runs[-1]) / "compare.png"
     summary.update(plot=str(compare.plot(runs, summary, out)), sampler=args.sampler,
-                   sample_steps=args.sample_steps, cfg=args.cfg, per_class=args.per_class)
+                   sample_steps=_sample_steps(args), cfg=args.cfg, per_class=args.per_class)
     if rec is not None:
         print(f"autohc: result saved to {rec.save(summary, threads=kernel_threads())}", file=sys.stderr)
     if args.json:

@@ -330,7 +330,7 @@ def write_diffusers(w: Weights, out: Path, vae_spec: str | None = None) -> Path:
             vae = load_vae(vae_spec)
             sched = diffusers.DDPMScheduler(num_train_timesteps=1000, beta_start=1e-4, beta_end=0.02,
                                             beta_schedule="linear", variance_type="fixed_small",
-                                            clip_sample=False)
+                                            clip_sample=False, timestep_spacing="linspace")
             diffusers.DiTPipeline(transformer=model, vae=vae, scheduler=sched).save_pretrained(str(tmp))
             meta_dir = tmp / "transformer"
         else:

@@ -1,7 +1,8 @@
 """Gaussian diffusion as DiT trains it: 1000 steps, linear betas 1e-4..0.02, epsilon
 prediction, MSE loss; DDPM (posterior variance) and DDIM (eta 0) samplers with
-classifier-free guidance. With learn_sigma models the extra channels are ignored: sampling
-uses the fixed posterior variance."""
+classifier-free guidance. DDPM on fewer steps walks the reference's respaced chain
+(diffusion/respace.py: `create_diffusion("250")` in DiT's sample.py). With learn_sigma models
+the extra channels are ignored: sampling uses the fixed posterior variance."""
 from __future__ import annotations
 
 from typing import Callable
@@ -15,17 +16,36 @@ class GaussianDiffusion:
             raise ValueError(f"diffusion steps must be >= 1, got {steps}")
         self.num_timesteps = steps
         # schedule in float64 (as the reference), used as float32 per batch
-        betas = torch.linspace(beta_start, beta_end, steps, dtype=torch.float64)
+        self._schedule(torch.linspace(beta_start, beta_end, steps, dtype=torch.float64))
+
+    def _schedule(self, betas: torch.Tensor) -> None:
         self.betas = betas
         self.alphas_cumprod = torch.cumprod(1.0 - betas, dim=0)
         prev = torch.cat([torch.ones(1, dtype=torch.float64), self.alphas_cumprod[:-1]])
         self.alphas_cumprod_prev = prev
         self.posterior_variance = betas * (1.0 - prev) / (1.0 - self.alphas_cumprod)
         # log of the posterior variance, with the t = 0 entry (zero) replaced as the reference
-        pv = torch.cat([self.posterior_variance[1:2], self.posterior_variance[1:]])
+        pv = torch.cat([self.posterior_variance[1:2], self.posterior_variance[1:]]) if len(betas) > 1 \
+            else torch.ones(1, dtype=torch.float64)       # one step: never adds noise
         self.posterior_log_variance = torch.log(pv)
         self.posterior_mean_coef1 = betas * prev.sqrt() / (1.0 - self.alphas_cumprod)
         self.posterior_mean_coef2 = (1.0 - prev) * (1.0 - betas).sqrt() / (1.0 - self.alphas_cumprod)
+
+    def respaced(self, steps: int) -> tuple["GaussianDiffusion", list[int]]:
+        """The chain on `steps` of the timesteps, as the reference's SpacedDiffusion: the kept
+        timesteps (its space_timesteps with one section: evenly spaced from 0 to T-1, Python's
+        rounding) and a diffusion whose betas join them, 1 - alphas_cumprod[t] / alphas_cumprod[t'],
+        so each kept step keeps its alphas_cumprod."""
+        stride = 1 if steps <= 1 else (self.num_timesteps - 1) / (steps - 1)
+        kept, at = [], 0.0
+        for _ in range(steps):
+            kept.append(round(at))
+            at += stride
+        ac = self.alphas_cumprod[kept]
+        spaced = object.__new__(GaussianDiffusion)
+        spaced.num_timesteps = steps
+        spaced._schedule(1.0 - ac / torch.cat([torch.ones(1, dtype=torch.float64), ac[:-1]]))
+        return spaced, kept
 
     @staticmethod
     def _at(a: torch.Tensor, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -45,31 +65,37 @@ class GaussianDiffusion:
         return (x - (1.0 - ac).sqrt() * eps) / ac.sqrt()
 
     @torch.no_grad()
-    def sample(self, eps_fn: Callable, shape, *, sampler: str = "ddim", steps: int = 50,
+    def sample(self, eps_fn: Callable, shape, *, sampler: str = "ddim", steps: int | None = None,
                generator: torch.Generator | None = None, clip: bool = True,
                progress: Callable | None = None) -> torch.Tensor:
-        """Draw samples: eps_fn(x, t) -> epsilon. DDPM walks all num_timesteps; DDIM (eta 0)
-        walks `steps` evenly spaced ones. clip: clamp predicted x0 to [-1, 1] (images)."""
+        """Draw samples: eps_fn(x, t) -> epsilon. DDPM walks `steps` of the num_timesteps (all by
+        default; fewer: the respaced chain); DDIM (eta 0) walks `steps` evenly spaced ones (50 by
+        default). clip: clamp predicted x0 to [-1, 1] (images)."""
         if sampler not in ("ddim", "ddpm"):
             raise ValueError(f"sampler must be 'ddim' or 'ddpm', got {sampler!r}")
+        steps = self.default_steps(sampler) if steps is None else steps
         if not 1 <= steps <= self.num_timesteps:
             raise ValueError(f"sampling steps must be in [1, {self.num_timesteps}], got {steps}")
         x = torch.randn(shape, generator=generator)
         n = shape[0]
         if sampler == "ddpm":
-            ts = list(range(self.num_timesteps - 1, -1, -1))
+            chain, kept = self.respaced(steps) if steps < self.num_timesteps else (self, range(steps))
+            walk = [(kept[i], i) for i in range(steps - 1, -1, -1)]     # (model's t, chain's index)
         else:
+            chain = self
             ts = torch.linspace(self.num_timesteps - 1, 0, steps).round().long().unique_consecutive().tolist()
-        for i, ti in enumerate(ts):
+            walk = [(ti, ti) for ti in ts]
+        for i, (ti, ci) in enumerate(walk):
             t = torch.full((n,), ti, dtype=torch.long)
+            c = torch.full((n,), ci, dtype=torch.long)
             eps = eps_fn(x, t)
-            x0 = self._x0_from_eps(x, t, eps)
+            x0 = chain._x0_from_eps(x, c, eps)
             if clip:
                 x0 = x0.clamp(-1, 1)
             if sampler == "ddpm":
-                mean = self._at(self.posterior_mean_coef1, t, x) * x0 + self._at(self.posterior_mean_coef2, t, x) * x
-                if ti > 0:
-                    std = (0.5 * self._at(self.posterior_log_variance, t, x)).exp()
+                mean = chain._at(chain.posterior_mean_coef1, c, x) * x0 + chain._at(chain.posterior_mean_coef2, c, x) * x
+                if ci > 0:
+                    std = (0.5 * chain._at(chain.posterior_log_variance, c, x)).exp()
                     x = mean + std * torch.randn(x.shape, generator=generator)
                 else:
                     x = mean
@@ -83,3 +109,7 @@ class GaussianDiffusion:
             if progress:
                 progress()
         return x
+
+    def default_steps(self, sampler: str) -> int:
+        """DDIM: 50 steps; DDPM: the whole chain."""
+        return self.num_timesteps if sampler == "ddpm" else 50

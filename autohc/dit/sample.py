@@ -23,8 +23,10 @@ def load_model(ckpt: str | Path, *, ema: bool = True, fused_ops=None):
 
 @torch.no_grad()
 def generate(model, arch: dict, classes: list[int], *, per_class: int = 8, sampler: str = "ddim",
-             steps: int = 50, cfg: float = 4.0, seed: int = 0, progress: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Samples (len(classes) * per_class, C, H, W) and their requested labels, class-major."""
+             steps: int | None = None, cfg: float = 4.0, seed: int = 0,
+             progress: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Samples (len(classes) * per_class, C, H, W) and their requested labels, class-major.
+    steps: None is the sampler's default (DDIM 50, DDPM all 1000)."""
     bad = [c for c in classes if not 0 <= c < arch["num_classes"]]
     if bad:
         raise ValueError(f"classes {bad} out of range: this model has classes 0..{arch['num_classes'] - 1}")
@@ -41,7 +43,7 @@ def generate(model, arch: dict, classes: list[int], *, per_class: int = 8, sampl
         return model.forward_with_cfg(x, t, y, cfg)[:, :C]
 
     g = torch.Generator().manual_seed(seed)
-    total = diffusion.num_timesteps if sampler == "ddpm" else steps
+    total = diffusion.default_steps(sampler) if steps is None else steps
     if progress:
         from rich.console import Console
         from rich.progress import Progress
