@@ -199,3 +199,30 @@ def test_builds_on_two_threads_leave_stdout_alone(tmp_path, monkeypatch, capsys)
     print("after the builds")
     assert capsys.readouterr().out == "after the builds\n"
     assert libs[0].lib.f0() == 40 and libs[1].lib.f1() == 41
+
+
+def test_linked_objects_are_compiled_once_and_verified(tmp_path, monkeypatch):
+    """A C source linked into libraries (the bf16 skinny paths' object) is compiled once per
+    cache and linked into every library that lists it; a tampered object is never linked:
+    it is compiled again."""
+    import hashlib
+
+    from autohc.build import build
+    from autohc.kernels.family import exported_declarations
+    monkeypatch.setenv("AUTOHC_CACHE_DIR", str(tmp_path))
+    obj = '__attribute__((visibility("hidden"))) int obj_twice(int x) { return 2 * x; }\n'
+
+    def lib(n):
+        src = f"#define AUTOHC_API\nint obj_twice(int x);\nAUTOHC_API int plus_{n}(int x) {{ return obj_twice(x) + {n}; }}\n"
+        return getattr(build(src, exported_declarations(src), (), objects=(obj,)).lib, f"plus_{n}")
+    assert lib(1)(5) == 11
+    (rec,) = (tmp_path / "objects").glob("*/record.json")
+    first = json.loads(rec.read_text())
+    assert lib(2)(5) == 12
+    assert json.loads(rec.read_text()) == first          # linked again, not compiled again
+    (rec.parent / first["file"]).write_bytes(b"\x7fELF not an object" + os.urandom(64))
+    with pytest.warns(RuntimeWarning, match="does not match its recorded sha256"):
+        assert lib(3)(5) == 13
+    again = json.loads(rec.read_text())
+    assert hashlib.sha256((rec.parent / again["file"]).read_bytes()).hexdigest() == again["sha256"]
+    assert again["built_at"] > first["built_at"]

@@ -20,7 +20,7 @@ import torch
 
 import autohc
 from autohc.hw import cpu
-from autohc.kernels.gemm.codegen import render_gemm
+from autohc.kernels.gemm.codegen import render_gemm, render_gemm_objects
 from autohc.kernels.gemm.kernel import default_kernel_params, get_kernel, tile_emulation
 from autohc.kernels.gemm.matmul import _run_bf16c, operand_raw
 from autohc.kernels.gemm.params import GemmParams, ParamError, default_params
@@ -567,10 +567,13 @@ def test_every_bf16_backend_compiles_standalone(name, tmp_path):
                                                  if isa == "amx" else [])
     def compile_one(i, threads, a_outer, more):
         p = bf16_params(isa, threads, a_outer=a_outer, **more)
-        c = tmp_path / f"{isa}{i}.c"
-        c.write_text(render_gemm(p, emulate_tiles=emulated))
-        cmd = ["gcc", "-O3", "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared",
-               *GEMM_ISAS[isa].cflags, str(c), "-o", str(tmp_path / f"{isa}{i}.so"), "-lpthread"]
+        sources = [render_gemm(p, emulate_tiles=emulated), *render_gemm_objects(p, emulate_tiles=emulated)]
+        for j, src in enumerate(sources):
+            (tmp_path / f"{isa}{i}_{j}.c").write_text(src)
+        # every symbol resolved inside the library: the skinny paths' object linked in
+        cmd = ["gcc", "-O3", "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared", "-Wl,--no-undefined",
+               *GEMM_ISAS[isa].cflags, *(str(tmp_path / f"{isa}{i}_{j}.c") for j in range(len(sources))),
+               "-o", str(tmp_path / f"{isa}{i}.so"), "-lpthread"]
         return subprocess.run(cmd, capture_output=True, text=True)
     with ThreadPoolExecutor(os.cpu_count() or 2) as pool:      # (gcc runs side by side)
         for proc in pool.map(lambda v: compile_one(*v), [(i, *v) for i, v in enumerate(variants)]):
@@ -655,8 +658,10 @@ def test_tune_bf16_records_a_bf16_entry_that_matmul_runs(tmp_path, monkeypatch):
 
 
 def test_export_writes_bf16_kernels_with_their_flags(tmp_path, monkeypatch):
-    """The exported bf16 default builds from its manifest entry and, where the CPU runs it,
-    computes X W^T from bf16 X and fp32 W (in_f32 = 2) without Python."""
+    """The exported bf16 default builds from its manifest entry (with the skinny paths' object
+    it lists, linked once beside every other exported kernel) and, where the CPU runs it,
+    computes X W^T from bf16 X and fp32 W (in_f32 = 2) without Python, by the packed path
+    (M = 33) and the skinny one (M = 5)."""
     import textwrap
     from autohc.tune.export import export
     monkeypatch.setenv("AUTOHC_CACHE_DIR", str(tmp_path))
@@ -680,20 +685,29 @@ def test_export_writes_bf16_kernels_with_their_flags(tmp_path, monkeypatch):
             if (!{k['symbol']}_isa_supported()) return 3;
             if ({k['symbol']}_gemm(M, N, K, 1.0f, x, K, 1, w, 1, K, 0.0f, y, N, 2)) return 2;
             for (int i = 0; i < M * N; ++i) printf("%.1f\\n", y[i]);
+            if ({k['symbol']}_gemm(5, N, K, 1.0f, x, K, 1, w, 1, K, 0.0f, y, N, 2)) return 2;
+            for (int i = 0; i < 5 * N; ++i) printf("%.1f\\n", y[i]);
             return 0;
         }}"""))
     exe = tmp_path / "prog"
     out = tmp_path / "exp"
-    subprocess.run(["gcc", *k["cflags"], f"-I{out}", str(main), str(out / k["source"]),
-                    str(out / manifest["pool"]["source"]), "-o", str(exe), *k["ldflags"]],
-                   check=True, capture_output=True)
+    skinny = GemmParams.from_dict(k["params"]).skinny_m > 0      # (bf16 back-ends: M <= 16)
+    assert bool(k["objects"]) == skinny and all((out / o["source"]).exists() for o in k["objects"])
+    kernels = [e for e in manifest["kernels"] if e["params"]["isa"] == isa]
+    objects = sorted({o["source"] for e in kernels for o in e["objects"]})
+    assert len(objects) == skinny                       # (every default's skinny paths: one object)
+    proc = subprocess.run(["gcc", *k["cflags"], f"-I{out}", str(main), *(str(out / e["source"]) for e in kernels),
+                           *(str(out / o) for o in objects), str(out / manifest["pool"]["source"]),
+                           "-o", str(exe), *k["ldflags"]], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     if isa not in cpu.runnable_bf16_isas() + cpu.runnable_isas():
         pytest.skip("compiled; this CPU cannot run it")
     got = np.array(subprocess.run([str(exe)], check=True, capture_output=True, text=True)
-                   .stdout.split(), dtype=np.float64).reshape(33, 24)
+                   .stdout.split(), dtype=np.float64)
     x = (np.arange(33 * 40) * 7 % 13 - 6.0).reshape(33, 40)
     w = (np.arange(24 * 40) * 5 % 11 - 5.0).reshape(24, 40)
-    assert np.array_equal(got, x @ w.T)                # small integers: exact in bf16 and fp32
+    assert np.array_equal(got[:33 * 24].reshape(33, 24), x @ w.T)   # small integers: exact in bf16 and fp32
+    assert np.array_equal(got[33 * 24:].reshape(5, 24), x[:5] @ w.T)
 
 
 def test_bench_gemm_bf16_says_which_path_runs():

@@ -155,35 +155,81 @@ def _import(module: str, path: Path):
     return mod
 
 
-def _load_verified(entry: Path, key: str) -> Library | None:
-    """The cached library of `key` if its record is sound and its hash matches, else None."""
+def _verified_file(entry: Path, key: str, use: str) -> tuple[Path, str] | None:
+    """The file `entry`'s record names and its sha256, if the record is sound, belongs to
+    `key` and the file's hash matches it; else None (with a warning where something is wrong
+    rather than missing). `use`: what would be done with it ("loading", "linking")."""
     record_path = entry / "record.json"
     if not record_path.exists():
         return None
     try:
         record = json.loads(record_path.read_text())
-        lib_path = entry / record["file"]
+        path = entry / record["file"]
         expected = record["sha256"]
         if record["key"] != key or Path(record["file"]).name != record["file"]:
             raise ValueError("record does not belong to this entry")
     except (OSError, ValueError, KeyError, TypeError) as e:
         warnings.warn(f"autohc: ignoring corrupt cache record {record_path} ({e}); rebuilding",
-                      RuntimeWarning, stacklevel=3)
+                      RuntimeWarning, stacklevel=4)
         return None
-    if not lib_path.exists():
+    if not path.exists():
         return None
-    actual = _sha256_file(lib_path)
+    actual = _sha256_file(path)
     if actual != expected:
-        warnings.warn(f"autohc: {lib_path} does not match its recorded sha256 "
-                      f"(got {actual[:12]}, want {expected[:12]}); not loading it, rebuilding",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(f"autohc: {path} does not match its recorded sha256 "
+                      f"(got {actual[:12]}, want {expected[:12]}); not {use} it, rebuilding",
+                      RuntimeWarning, stacklevel=4)
         return None
+    return path, actual
+
+
+def _load_verified(entry: Path, key: str) -> Library | None:
+    """The cached library of `key` if its record is sound and its hash matches, else None."""
+    found = _verified_file(entry, key, "loading")
+    if found is None:
+        return None
+    lib_path, digest = found
     mod = _import(_module_name(key), lib_path)
-    return Library(key, lib_path, actual, mod.ffi, mod.lib)
+    return Library(key, lib_path, digest, mod.ffi, mod.lib)
+
+
+def _object(source: str, flags: tuple[str, ...], cc: str) -> Path:
+    """`source` compiled to an object file (with the library's flags) for libraries to link:
+    cached once per machine as libraries are (content key, sha256 record, atomic rename), so
+    the code many kernels share is compiled once."""
+    key = build_key(source, "", flags, cc)
+    entry = cache_dir() / "objects" / key[:32]
+    with _lock:
+        key_lock = _key_locks.setdefault("object:" + key, threading.Lock())
+    with key_lock:
+        found = _verified_file(entry, key, "linking")       # (linking it runs its code)
+        if found is not None:
+            return found[0]
+        entry.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=entry, prefix=".build-") as tmp:
+            t0 = time.perf_counter()
+            c_file, obj = Path(tmp) / "object.c", Path(tmp) / "object.o"
+            c_file.write_text(source)
+            cmd = [cc, *OPT_FLAGS, *flags, "-c", "-o", str(obj), str(c_file)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise BuildError(f"compiling object {key[:12]} failed:\n$ {' '.join(cmd)}\n{proc.stderr.strip()[-4000:]}")
+            digest = _sha256_file(obj)
+            final = entry / f"object.{digest[:16]}.o"
+            os.replace(obj, final)
+            (entry / "source.c").exists() or atomic_write_text(entry / "source.c", source)
+            atomic_write_text(entry / "record.json", json.dumps(
+                {"key": key, "file": final.name, "sha256": digest, "flags": list(flags),
+                 "compiler": compiler_version(cc), "built_at": time.time(),
+                 "build_seconds": round(time.perf_counter() - t0, 3)}, indent=1))
+        found = _verified_file(entry, key, "linking")
+        if found is None:
+            raise BuildError(f"object {key[:12]} was built but cannot be verified in {entry}")
+        return found[0]
 
 
 def _compile(source: str, cdef: str, flags: tuple[str, ...], cc: str, key: str,
-             workdir: Path) -> Path:
+             workdir: Path, objects: tuple[Path, ...] = ()) -> Path:
     module = _module_name(key)
     ffi = cffi.FFI()
     ffi.cdef(cdef)
@@ -195,7 +241,7 @@ def _compile(source: str, cdef: str, flags: tuple[str, ...], cc: str, key: str,
     ffi.emit_c_code(str(c_file))
     out = workdir / f"{module}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
     cmd = [cc, *OPT_FLAGS, *flags, "-shared", f"-I{sysconfig.get_paths()['include']}",
-           "-o", str(out), str(c_file), "-lpthread"]
+           "-o", str(out), str(c_file), *map(str, objects), "-lpthread"]
     if sys.platform == "darwin":
         cmd[1:1] = ["-undefined", "dynamic_lookup"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -208,16 +254,20 @@ def _compile(source: str, cdef: str, flags: tuple[str, ...], cc: str, key: str,
     return out
 
 
-def build(source: str, cdef: str, flags: tuple[str, ...] = (), *, meta: dict | None = None) -> Library:
-    """Compile (or fetch from the cache) and load a verified library. Thread- and process-safe."""
-    flags = tuple(flags)
-    skey = source_key(source, cdef, flags)
+def build(source: str, cdef: str, flags: tuple[str, ...] = (), *, meta: dict | None = None,
+          objects: tuple[str, ...] = ()) -> Library:
+    """Compile (or fetch from the cache) and load a verified library. Thread- and process-safe.
+    objects: more C sources, each compiled once into a cached object (_object) and linked in."""
+    flags, objects = tuple(flags), tuple(objects)
+    # the key covers the linked sources too
+    keyed = source + "".join(f"\0linked object:\0{o}" for o in objects)
+    skey = source_key(keyed, cdef, flags)
     cc_path = shutil.which(os.environ.get("CC", "gcc").split()[0])
     found = None if cc_path else _entry_without_compiler(skey)
     if found:
         entry, key = found
     else:
-        key = build_key(source, cdef, flags, compiler())
+        key = build_key(keyed, cdef, flags, compiler())
         entry = cache_dir() / "kernels" / key[:32]
     with _lock:
         if key in _loaded:
@@ -234,7 +284,8 @@ def build(source: str, cdef: str, flags: tuple[str, ...] = (), *, meta: dict | N
             entry.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=entry, prefix=".build-") as tmp:
                 t0 = time.perf_counter()
-                so = _compile(source, cdef, flags, cc_path, key, Path(tmp))
+                linked = tuple(_object(o, flags, cc_path) for o in objects)
+                so = _compile(source, cdef, flags, cc_path, key, Path(tmp), linked)
                 digest = _sha256_file(so)
                 # unique final name: a concurrent builder's library is never overwritten
                 final = entry / f"{so.stem}.{digest[:16]}{''.join(so.suffixes[-1:])}"
@@ -242,7 +293,8 @@ def build(source: str, cdef: str, flags: tuple[str, ...] = (), *, meta: dict | N
                 (entry / "source.c").exists() or atomic_write_text(entry / "source.c", source)
                 record = {"key": key, "source_key": skey, "file": final.name, "sha256": digest, "flags": list(flags),
                           "compiler": compiler_version(cc_path), "built_at": time.time(),
-                          "build_seconds": round(time.perf_counter() - t0, 3), **(meta or {})}
+                          "build_seconds": round(time.perf_counter() - t0, 3),
+                          **({"objects": [o.parent.name for o in linked]} if linked else {}), **(meta or {})}
                 atomic_write_text(entry / "record.json", json.dumps(record, indent=1))
             lib = _load_verified(entry, key)
             if lib is None:

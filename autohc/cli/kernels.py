@@ -170,6 +170,7 @@ def cmd_cache(args) -> int:
     entries = cache_entries()
     if args.action == "clear":
         shutil.rmtree(cache_dir() / "kernels", ignore_errors=True)
+        shutil.rmtree(cache_dir() / "objects", ignore_errors=True)     # (the code they link)
         print(f"autohc: removed {len(entries)} compiled kernel(s) from {cache_dir()}")
         return 0
     bad = 0

@@ -2,6 +2,8 @@
 
 DIR/
   kernels/<symbol>.c   one rendered kernel each (C11 + pthreads)
+  kernels/autohc_sk_*.c  the bf16 skinny paths, compiled with the kernels that list them
+                       in the manifest's `objects` (one file for all the kernels that share it)
   kernels/autohc_pool.c  the worker pool the kernels run their threads on: call
                        <symbol>_bind((void *)autohc_pool_run) once before a kernel's first GEMM
   autohc_kernels.h     the declarations of all of them
@@ -20,7 +22,7 @@ from pathlib import Path
 from ..build import atomic_write_text
 from ..hw import cpu
 from ..kernels.family import exported_declarations
-from ..kernels.gemm.codegen import gemm_cdef, render_gemm
+from ..kernels.gemm.codegen import gemm_cdef, render_gemm, render_gemm_objects, skinny_symbol
 from ..kernels.gemm.kernel import default_kernel_params
 from ..kernels.gemm.params import GemmParams
 from ..kernels.isa import GEMM_ISAS
@@ -49,7 +51,7 @@ def export(out: str | os.PathLike, include_defaults: bool = True) -> dict:
             for threads in sorted({1, info.cores}):
                 items.append((registry_default(threads, dtype), {"registry_key": None, "default": True,
                                                                  "dtype": dtype, "threads": threads}))
-    kernels, seen = [], set()
+    kernels, seen, objects_written = [], set(), set()
     decls = []
     for params, meta in items:
         if params.symbol in seen:
@@ -58,9 +60,16 @@ def export(out: str | os.PathLike, include_defaults: bool = True) -> dict:
         src = render_gemm(params)
         rel = f"kernels/{params.symbol}.c"
         atomic_write_text(out / rel, src)
+        objects = []
+        for obj_src in render_gemm_objects(params):
+            obj_rel = f"kernels/{skinny_symbol(params)}.c"
+            if obj_rel not in objects_written:
+                atomic_write_text(out / obj_rel, obj_src)
+                objects_written.add(obj_rel)
+            objects.append({"source": obj_rel, "sha256": hashlib.sha256(obj_src.encode()).hexdigest()})
         decls.append(f"/* {meta.get('layout') or 'default'} {params.dtype} {params.isa} "
                      f"{params.mr}x{params.nr} threads={params.threads} */\n" + gemm_cdef(params, src))
-        kernels.append({"symbol": params.symbol, "source": rel,
+        kernels.append({"symbol": params.symbol, "source": rel, "objects": objects,
                         "sha256": hashlib.sha256(src.encode()).hexdigest(),
                         "cflags": ["-O3", "-std=gnu11", *GEMM_ISAS[params.isa].cflags],
                         "ldflags": ["-lpthread"], "params": params.to_dict(), **meta})

@@ -23,7 +23,30 @@ def render_gemm(params: GemmParams, emulate_tiles: bool = False) -> str:
     ctx["buffer_k"] = p.buffer_k
     ctx["regs"] = GEMM_ISAS[p.isa].registers  # sizes the skinny path's register tile
     ctx["params_comment"] = ", ".join(f"{k}={v}" for k, v in sorted(p.to_dict().items()))
+    ctx["sk"] = skinny_symbol(p, emulate_tiles)
     return environment().get_template("gemm/gemm.c.j2").render(**ctx)
+
+
+def skinny_symbol(params: GemmParams, emulate_tiles: bool = False) -> str | None:
+    """The prefix of a bf16 kernel's skinny paths' object: one per what renders it (isa,
+    skinny_m, skinny_unit, emulated tiles), whatever the kernel's tiles and blocks. None: the
+    kernel has no such object (fp32, or skinny_m 0)."""
+    if params.dtype != "bf16" or params.skinny_m <= 0:
+        return None
+    return (f"autohc_sk_{params.isa}_m{params.skinny_m}_{params.skinny_unit}"
+            + ("_emu" if emulate_tiles else ""))
+
+
+def render_gemm_objects(params: GemmParams, emulate_tiles: bool = False) -> tuple[str, ...]:
+    """C sources compiled apart and linked into the kernel (render_gemm's source declares
+    what it calls in them): the bf16 skinny paths' object, where the kernel has them."""
+    p = params.validate()
+    sk = skinny_symbol(p, emulate_tiles)
+    if sk is None:
+        return ()
+    return (environment().get_template("gemm/skinny_bf16_object.c.j2").render(
+        isa=p.isa, vl=p.vl, skinny_m=p.skinny_m, skinny_unit=p.skinny_unit,
+        emulate_tiles=bool(emulate_tiles), sk=sk),)
 
 
 def gemm_cdef(params: GemmParams, source: str | None = None) -> str:

@@ -9,7 +9,7 @@ import threading
 from ...build import Library, build
 from ...hw import cpu
 from ...runtime import plan, pool
-from .codegen import gemm_cdef, render_gemm
+from .codegen import gemm_cdef, render_gemm, render_gemm_objects
 from ..isa import BF16_ISAS, GEMM_ISAS
 from .params import GemmParams, default_params
 
@@ -29,7 +29,8 @@ class GemmKernel:
         meta = {"op": "gemm", "params": params.to_dict()}
         if emulate_tiles:
             meta["emulated_tiles"] = True
-        self.library: Library = build(source, gemm_cdef(params, source), spec.cflags, meta=meta)
+        self.library: Library = build(source, gemm_cdef(params, source), spec.cflags, meta=meta,
+                                      objects=render_gemm_objects(params, emulate_tiles))
         fn = params.symbol
         lib = self.library.lib
         self._tile_fault = getattr(lib, f"{fn}_tile_fault", None)   # (emulated tiles only)
