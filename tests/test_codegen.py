@@ -7,7 +7,7 @@ import subprocess
 import jinja2
 import pytest
 
-from autohc.kernels.gemm.codegen import gemm_cdef, render_gemm
+from autohc.kernels.gemm.codegen import gemm_cdef, render_gemm, render_gemm_objects
 from autohc.kernels.gemm.params import GemmParams, ParamError, default_params
 from autohc.kernels.isa import ISAS
 from autohc.kernels.render import environment
@@ -90,10 +90,12 @@ def test_every_backend_compiles_standalone(isa, tmp_path):
     on machines that cannot run it."""
     for threads in (1, 2):
         p = default_params(isa, threads)
-        c = tmp_path / f"{isa}{threads}.c"
-        c.write_text(render_gemm(p))
-        cmd = ["gcc", "-O3", "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared",
-               *ISAS[isa].cflags, str(c), "-o", str(tmp_path / f"{isa}{threads}.so"), "-lpthread"]
+        sources = [render_gemm(p), *render_gemm_objects(p)]     # (the skinny paths' object)
+        for j, src in enumerate(sources):
+            (tmp_path / f"{isa}{threads}_{j}.c").write_text(src)
+        cmd = ["gcc", "-O3", "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared", "-Wl,--no-undefined",
+               *ISAS[isa].cflags, *(str(tmp_path / f"{isa}{threads}_{j}.c") for j in range(len(sources))),
+               "-o", str(tmp_path / f"{isa}{threads}.so"), "-lpthread"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr
 

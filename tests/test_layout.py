@@ -11,7 +11,7 @@ import pytest
 from autohc.kernels import family
 from autohc.kernels.eltwise import KERNELS, EltwiseParams
 from autohc.kernels.eltwise.codegen import render_eltwise
-from autohc.kernels.gemm.codegen import render_gemm
+from autohc.kernels.gemm.codegen import render_gemm, render_gemm_objects
 from autohc.kernels.gemm.params import GemmParams, ParamError, default_params
 from autohc.kernels.isa import ISAS
 from autohc.tune.space import as_suggestions, isa_entries, load_space, suggest_params
@@ -131,7 +131,7 @@ def _gemm_variants(isa, threads=4):
                 p = suggest_params(_Trial({**base, knob: v}), isa, threads)
             except ParamError:
                 continue
-            rendered[p] = render_gemm(p)
+            rendered[p] = render_gemm(p) + "".join(render_gemm_objects(p))   # the kernel and what it links
             if len(rendered) == 2:
                 break
         yield knob, rendered

@@ -234,9 +234,14 @@ def test_export_compiles_and_runs_without_python(fresh_cache, tmp_path):
             return 0;
         }}"""))
     exe = tmp_path / "prog"
+    for o in k["objects"]:                              # (the skinny paths: M <= skinny_m)
+        assert hashlib.sha256((out / o["source"]).read_bytes()).hexdigest() == o["sha256"]
+    assert bool(k["objects"]) == (p.skinny_m > 0)
     cmd = ["gcc", *k["cflags"], f"-I{out}", str(main), str(out / k["source"]),
+           *(str(out / o["source"]) for o in k["objects"]),
            str(out / manifest["pool"]["source"]), "-o", str(exe), *k["ldflags"]]
-    subprocess.run(cmd, check=True, capture_output=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     if ISA not in cpu.runnable_isas():
         pytest.skip("compiled; this CPU cannot run it")
     got = np.array(subprocess.run([str(exe)], check=True, capture_output=True, text=True)

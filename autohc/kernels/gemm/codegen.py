@@ -21,32 +21,33 @@ def render_gemm(params: GemmParams, emulate_tiles: bool = False) -> str:
     ctx["emulate_tiles"] = bool(emulate_tiles)
     ctx["fn"] = p.symbol
     ctx["buffer_k"] = p.buffer_k
-    ctx["regs"] = GEMM_ISAS[p.isa].registers  # sizes the skinny path's register tile
     ctx["params_comment"] = ", ".join(f"{k}={v}" for k, v in sorted(p.to_dict().items()))
     ctx["sk"] = skinny_symbol(p, emulate_tiles)
     return environment().get_template("gemm/gemm.c.j2").render(**ctx)
 
 
 def skinny_symbol(params: GemmParams, emulate_tiles: bool = False) -> str | None:
-    """The prefix of a bf16 kernel's skinny paths' object: one per what renders it (isa,
-    skinny_m, skinny_unit, emulated tiles), whatever the kernel's tiles and blocks. None: the
-    kernel has no such object (fp32, or skinny_m 0)."""
-    if params.dtype != "bf16" or params.skinny_m <= 0:
+    """The prefix of a kernel's skinny paths' object: one per what renders it (isa, vector
+    width, skinny_m, and for bf16 skinny_unit and emulated tiles), whatever the kernel's tiles
+    and blocks. None: the kernel has no skinny paths (skinny_m 0)."""
+    if params.skinny_m <= 0:
         return None
+    if params.dtype != "bf16":
+        return f"autohc_sk_{params.isa}_v{params.vl}_m{params.skinny_m}"
     return (f"autohc_sk_{params.isa}_m{params.skinny_m}_{params.skinny_unit}"
             + ("_emu" if emulate_tiles else ""))
 
 
 def render_gemm_objects(params: GemmParams, emulate_tiles: bool = False) -> tuple[str, ...]:
     """C sources compiled apart and linked into the kernel (render_gemm's source declares
-    what it calls in them): the bf16 skinny paths' object, where the kernel has them."""
+    what it calls in them): the skinny paths' object, where the kernel has them."""
     p = params.validate()
     sk = skinny_symbol(p, emulate_tiles)
     if sk is None:
         return ()
-    return (environment().get_template("gemm/skinny_bf16_object.c.j2").render(
-        isa=p.isa, vl=p.vl, skinny_m=p.skinny_m, skinny_unit=p.skinny_unit,
-        emulate_tiles=bool(emulate_tiles), sk=sk),)
+    return (environment().get_template("gemm/skinny_object.c.j2").render(
+        isa=p.isa, vl=p.vl, dtype=p.dtype, skinny_m=p.skinny_m, skinny_unit=p.skinny_unit,
+        regs=GEMM_ISAS[p.isa].registers, emulate_tiles=bool(emulate_tiles), sk=sk),)
 
 
 def gemm_cdef(params: GemmParams, source: str | None = None) -> str:
