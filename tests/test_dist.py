@@ -14,6 +14,10 @@ import torch
 
 from autohc.runtime import dist
 
+# under pytest-xdist (-n 2 --dist loadgroup) one worker runs all of these, and the other launches
+# in the "net" group: torchrun's default port and the namespaces' names are the machine's
+pytestmark = pytest.mark.xdist_group("net")
+
 TRAIN = ["train", "--model", "DiT-Ti/8", "--data", "digits", "--batch", "16", "--threads", "1",
          "--no-progress", "--samples-per-class", "1", "--sample-steps", "2", "--json"]
 

@@ -259,6 +259,7 @@ def test_init_from_a_reference_state_dict_reinitialises_other_classes(world, tmp
     assert tr.model.y_embedder.embedding_table.weight.shape == (3, 192)
 
 
+@pytest.mark.xdist_group("net")           # torchrun's default port (tests/test_dist.py)
 def test_finetune_under_data_parallel_resumes_bit_identically(world, tmp_path):
     """A converted checkpoint fine-tuned on 2 ranks (torchrun, autohc installed): 4 steps in one
     go, and 2 + 2 with --resume, give the same losses bit for bit."""
