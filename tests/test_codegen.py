@@ -90,7 +90,7 @@ def test_every_backend_compiles_standalone(isa, tmp_path):
     on machines that cannot run it."""
     for threads in (1, 2):
         p = default_params(isa, threads)
-        sources = [render_gemm(p), *render_gemm_objects(p)]     # (the skinny paths' object)
+        sources = [render_gemm(p), *render_gemm_objects(p).values()]     # (the skinny paths' object)
         for j, src in enumerate(sources):
             (tmp_path / f"{isa}{threads}_{j}.c").write_text(src)
         cmd = ["gcc", "-O3", "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared", "-Wl,--no-undefined",

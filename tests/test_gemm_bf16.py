@@ -567,7 +567,7 @@ def test_every_bf16_backend_compiles_standalone(name, tmp_path):
                                                  if isa == "amx" else [])
     def compile_one(i, threads, a_outer, more):
         p = bf16_params(isa, threads, a_outer=a_outer, **more)
-        sources = [render_gemm(p, emulate_tiles=emulated), *render_gemm_objects(p, emulate_tiles=emulated)]
+        sources = [render_gemm(p, emulate_tiles=emulated), *render_gemm_objects(p, emulate_tiles=emulated).values()]
         for j, src in enumerate(sources):
             (tmp_path / f"{isa}{i}_{j}.c").write_text(src)
         # every symbol resolved inside the library: the skinny paths' object linked in

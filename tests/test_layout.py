@@ -131,7 +131,7 @@ def _gemm_variants(isa, threads=4):
                 p = suggest_params(_Trial({**base, knob: v}), isa, threads)
             except ParamError:
                 continue
-            rendered[p] = render_gemm(p) + "".join(render_gemm_objects(p))   # the kernel and what it links
+            rendered[p] = render_gemm(p) + "".join(render_gemm_objects(p).values())   # the kernel and what it links
             if len(rendered) == 2:
                 break
         yield knob, rendered

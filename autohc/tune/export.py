@@ -2,7 +2,7 @@
 
 DIR/
   kernels/<symbol>.c   one rendered kernel each (C11 + pthreads)
-  kernels/autohc_sk_*.c  the bf16 skinny paths, compiled with the kernels that list them
+  kernels/autohc_sk_*.c  the skinny paths (M <= skinny_m), compiled with the kernels that list them
                        in the manifest's `objects` (one file for all the kernels that share it)
   kernels/autohc_pool.c  the worker pool the kernels run their threads on: call
                        <symbol>_bind((void *)autohc_pool_run) once before a kernel's first GEMM
@@ -22,7 +22,7 @@ from pathlib import Path
 from ..build import atomic_write_text
 from ..hw import cpu
 from ..kernels.family import exported_declarations
-from ..kernels.gemm.codegen import gemm_cdef, render_gemm, render_gemm_objects, skinny_symbol
+from ..kernels.gemm.codegen import gemm_cdef, render_gemm, render_gemm_objects
 from ..kernels.gemm.kernel import default_kernel_params
 from ..kernels.gemm.params import GemmParams
 from ..kernels.isa import GEMM_ISAS
@@ -61,8 +61,8 @@ def export(out: str | os.PathLike, include_defaults: bool = True) -> dict:
         rel = f"kernels/{params.symbol}.c"
         atomic_write_text(out / rel, src)
         objects = []
-        for obj_src in render_gemm_objects(params):
-            obj_rel = f"kernels/{skinny_symbol(params)}.c"
+        for name, obj_src in render_gemm_objects(params).items():
+            obj_rel = f"kernels/{name}.c"
             if obj_rel not in objects_written:
                 atomic_write_text(out / obj_rel, obj_src)
                 objects_written.add(obj_rel)

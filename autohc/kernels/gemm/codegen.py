@@ -38,16 +38,17 @@ def skinny_symbol(params: GemmParams, emulate_tiles: bool = False) -> str | None
             + ("_emu" if emulate_tiles else ""))
 
 
-def render_gemm_objects(params: GemmParams, emulate_tiles: bool = False) -> tuple[str, ...]:
+def render_gemm_objects(params: GemmParams, emulate_tiles: bool = False) -> dict[str, str]:
     """C sources compiled apart and linked into the kernel (render_gemm's source declares
-    what it calls in them): the skinny paths' object, where the kernel has them."""
+    what it calls in them), by the prefix of their symbols: the skinny paths' object, where
+    the kernel has them."""
     p = params.validate()
     sk = skinny_symbol(p, emulate_tiles)
     if sk is None:
-        return ()
-    return (environment().get_template("gemm/skinny_object.c.j2").render(
+        return {}
+    return {sk: environment().get_template("gemm/skinny_object.c.j2").render(
         isa=p.isa, vl=p.vl, dtype=p.dtype, skinny_m=p.skinny_m, skinny_unit=p.skinny_unit,
-        regs=GEMM_ISAS[p.isa].registers, emulate_tiles=bool(emulate_tiles), sk=sk),)
+        regs=GEMM_ISAS[p.isa].registers, emulate_tiles=bool(emulate_tiles), sk=sk)}
 
 
 def gemm_cdef(params: GemmParams, source: str | None = None) -> str:

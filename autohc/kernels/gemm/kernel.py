@@ -30,7 +30,7 @@ class GemmKernel:
         if emulate_tiles:
             meta["emulated_tiles"] = True
         self.library: Library = build(source, gemm_cdef(params, source), spec.cflags, meta=meta,
-                                      objects=render_gemm_objects(params, emulate_tiles))
+                                      objects=tuple(render_gemm_objects(params, emulate_tiles).values()))
         fn = params.symbol
         lib = self.library.lib
         self._tile_fault = getattr(lib, f"{fn}_tile_fault", None)   # (emulated tiles only)
