@@ -550,3 +550,128 @@ def test_autocast_under_torch_compile_reaches_the_bf16_kernels():
             after = counts()
     assert after["autohc"] > before["autohc"]
     assert ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item() < 2e-2
+
+
+def _saved_dtypes_and_shapes(fn):
+    """(dtype, shape) of every tensor autograd saves while fn() runs its forward."""
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, tuple(t.shape)))
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, saved
+
+
+@pytest.mark.skipif(not BF16_HW, reason="no bf16 back-end on this CPU: autocast stays on oneDNN")
+def test_autocast_linear_runs_on_its_fp32_weight_without_a_bf16_copy():
+    """Under autocast and install(), a Linear reads its fp32 weight in the bf16 kernels (rounded
+    while packed): no bf16 copy of W is made or saved for the backward, dW is written in fp32
+    (not rounded to bf16 first). Checked against a float64 reference of the bf16-rounded
+    operands: y, dX and db within their one bf16 rounding, dW within fp32 sums over K = 123 rows."""
+    torch.manual_seed(3)
+    lin = nn.Linear(70, 45)                       # ragged: K 70, N 45, M 3 x 41 = 123
+    x = torch.randn(3, 41, 70, requires_grad=True)
+
+    def step(net):
+        x.grad = None
+        net.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, saved = _saved_dtypes_and_shapes(lambda: net(x))
+        y.float().square().sum().backward()       # dY = 2y, in bf16
+        return y, saved, x.grad.clone(), net.weight.grad.clone(), net.bias.grad.clone()
+
+    y_s, saved_s, gx_s, gw_s, gb_s = step(lin)            # stock autocast
+    with autohc.installed():
+        before = counts()
+        y, saved, gx, gw, gb = step(lin)
+        after = counts()
+    assert after["autohc"] - before["autohc"] == 3 and after["aten"] == before["aten"]
+    # stock keeps a bf16 copy of W for the backward; autohc saves W itself (fp32)
+    w_shapes = lambda saved, dtype: [s for d, s in saved if d == dtype and sorted(s) == [45, 70]]
+    assert w_shapes(saved_s, torch.bfloat16)
+    assert not w_shapes(saved, torch.bfloat16) and w_shapes(saved, torch.float32) == [(45, 70)]
+    assert y.dtype == torch.bfloat16 and y.shape == (3, 41, 45)
+    assert gx.dtype == gw.dtype == gb.dtype == torch.float32
+
+    x16, w16 = x.detach().bfloat16().double(), lin.weight.detach().bfloat16().double()
+    ref_y = x16 @ w16.T + lin.bias.detach().double()
+    bf16_ulp = 2.0 ** -8
+    assert ((y.double() - ref_y).abs() <= bf16_ulp * ref_y.abs() + 1e-6).all()
+    dy = (2 * y.float()).bfloat16().double().reshape(-1, 45)
+    ref_gx = (dy @ w16).reshape(x.shape)
+    assert ((gx.double() - ref_gx).abs() <= bf16_ulp * ref_gx.abs().max()).all()
+    ref_gw = dy.T @ x16.reshape(-1, 70)
+    fp32_tol = 4 * (123 + 4) * 2.0 ** -24 * (dy.abs().T @ x16.abs().reshape(-1, 70))
+    assert ((gw.double() - ref_gw).abs() <= fp32_tol + 1e-12).all()
+    # stock rounds dW to bf16: autohc's is nearer the exact sums than that rounding allows
+    assert (gw_s.double() - ref_gw).abs().max() > (gw.double() - ref_gw).abs().max()
+    ref_gb = dy.sum(0)
+    assert ((gb.double() - ref_gb).abs() <= bf16_ulp * ref_gb.abs().max()).all()
+    for a, r in ((y, y_s), (gx, gx_s), (gw, gw_s)):
+        assert ((a.float() - r.float()).abs().max() / r.float().abs().max()).item() < 2e-2
+
+
+@pytest.mark.skipif(not BF16_HW, reason="no bf16 back-end on this CPU: autocast stays on oneDNN")
+def test_autocast_linear_it_does_not_serve_is_stock_autocasts():
+    """A bf16 weight, a 1-D input, a tiny product and an fp16 autocast region go to autocast's
+    own kernel (captured at install): stock's result bit for bit; a frozen weight and no bias
+    are served, with only the gradients asked for."""
+    torch.manual_seed(4)
+    x = torch.randn(40, 64)
+
+    def run(w, b, inp, dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=dtype):
+            return F.linear(inp, w, b)
+    w, b = torch.randn(48, 64), torch.randn(48)
+    cases = [(w.bfloat16(), b.bfloat16(), x), (w, b, x[0]), (w[:4, :4], b[:4], x[:4, :4]),
+             (w, b, x, torch.float16)]
+    refs = [run(*c) for c in cases]
+    with autohc.installed():
+        for c, r in zip(cases, refs):
+            got = run(*c)
+            assert got.dtype == r.dtype and torch.equal(got.float(), r.float())
+        frozen = nn.Linear(64, 48, bias=False).requires_grad_(False)
+        xg = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = frozen(xg)
+        assert "autohc_linear_fp32w" in y.grad_fn.name()
+        y.sum().backward()                      # dY expanded from a scalar (zero strides)
+    ref = torch.ones(40, 48).bfloat16().double() @ frozen.weight.bfloat16().double()
+    assert frozen.weight.grad is None
+    assert ((xg.grad.double() - ref).abs() <= 2.0 ** -8 * ref.abs().max()).all()
+
+
+@pytest.mark.skipif(not BF16_HW, reason="no bf16 back-end on this CPU: autocast stays on oneDNN")
+def test_autocast_linear_on_fp32_weights_trains_under_torch_compile():
+    """torch.compile traces install()'s autocast Linear into its graph (the custom op and its
+    fake): a compiled training step gives eager's loss and gradients within bf16 rounding."""
+    torch.manual_seed(5)
+    net = nn.Sequential(nn.Linear(96, 160), nn.GELU(), nn.Linear(160, 96))
+    x = torch.randn(2, 50, 96)
+
+    def loss_of(model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(x).float().square().mean()
+    with autohc.installed():
+        net.zero_grad()
+        loss_of(net).backward()
+        ref = [p.grad.clone() for p in net.parameters()]
+        net.zero_grad()
+        loss = loss_of(torch.compile(net))
+        loss.backward()
+    assert abs(loss.item() - loss_of(net).item()) <= 2e-2 * abs(loss.item())
+    for r, p in zip(ref, net.parameters()):
+        assert ((p.grad - r).abs().max() / r.abs().max()).item() < 2e-2
+
+
+@pytest.mark.skipif(not BF16_HW, reason="no bf16 back-end on this CPU: autocast stays on oneDNN")
+def test_opcheck_on_the_autocast_linear_ops():
+    from autohc.torch import autocast
+    x = torch.randn(37, 70).bfloat16()
+    w, b = torch.randn(45, 70, requires_grad=True), torch.randn(45, requires_grad=True)
+    torch.library.opcheck(autocast.linear_fp32w, (x, w, b))
+    torch.library.opcheck(autocast.linear_fp32w, (x.requires_grad_(), w, None))
+    dy = torch.randn(37, 45).bfloat16()
+    torch.library.opcheck(autocast.linear_fp32w_backward, (dy, x.detach(), w.detach(), True, True, False))

@@ -14,6 +14,10 @@ so compiled graphs run their GEMMs on autohc while inductor fuses the element-wi
 call autohc does not serve (a result that needs resizing or overlaps an input, other dtypes)
 goes to ATen's own kernel, captured before the override.
 
+Under torch.autocast to bf16, aten::linear's AutocastCPU kernel is registered too
+(autohc/torch/autocast.py): a Linear with an fp32 weight runs the bf16 kernels on that weight,
+rounded while packed, instead of on autocast's bf16 copy of it.
+
 Whatever autohc does not do (other dtypes, complex, zero-size, tiny problems where the call
 overhead does not pay) goes to ATen's own `.out` kernels, which these registrations leave
 untouched: same results, same errors. A kernel that cannot be built or started (no compiler,
@@ -344,6 +348,10 @@ def install(threads: int | None = None, torch_threads: int | str | None = "auto"
             # the fused operators and attention (SDPA's CPU flash op), forward and backward
             for name, fn in {**ATEN_IMPLS, **ATTENTION_IMPLS, **OUT_IMPLS}.items():
                 lib.impl(name, fn, "CPU")
+            # under autocast to bf16: a Linear on its fp32 weight, no bf16 copy (autocast.py)
+            from .autocast import AUTOCAST_IMPLS
+            for name, fn in AUTOCAST_IMPLS.items():
+                lib.impl(name, fn, "AutocastCPU")
         _state["lib"] = lib
 
 

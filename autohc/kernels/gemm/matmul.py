@@ -301,14 +301,16 @@ def _validated(params: GemmParams) -> GemmParams:
     return params
 
 
-def gemm_into(a, b, out, alpha: float, beta: float, threads: int, bias=None):
+def gemm_into(a, b, out, alpha: float, beta: float, threads: int, bias=None, dtype: str = "fp32"):
     """out := alpha * a @ b + beta * out for float32 CPU tensors already checked by the caller
     (the torch override); the registry's configuration or the default one. With `bias` (a
     float32 tensor of out's row shape, any stride, not overlapping out): out := alpha * a @ b
-    + beta * bias in every row, out not read (addmm's Linear bias, added by the kernel)."""
+    + beta * bias in every row, out not read (addmm's Linear bias, added by the kernel).
+    dtype "bf16": bf16 products (bfloat16 or float32 a, b; float32 ones rounded while
+    packing) into the float32 out (a weight's gradient under autocast)."""
     A, B = operand_raw(a), operand_raw(b)
     return _run("torch", a, b, out, A, B, operand_raw(out), alpha, beta, threads,
-                _override_params(A, B, threads, "fp32"), bias)
+                _override_params(A, B, threads, dtype), bias, dtype)
 
 
 def bmm_into(a, b, out, alpha: float, beta: float, threads: int):

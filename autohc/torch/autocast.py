@@ -1,0 +1,162 @@
+"""Under `torch.autocast("cpu", dtype=torch.bfloat16)` and install(): a Linear on its fp32
+weight, with no bf16 copy of it.
+
+Stock autocast runs a Linear on bf16 copies: it casts the fp32 weight (and bias) to bf16 in
+the forward, keeps that copy for the backward, and casts the weight's bf16 gradient back to
+fp32. On DiT-XL/2 that is 675 M weights copied twice a step, 7 % of autohc's bf16 step on a
+Zen 4 (docs/history.md, stop 62). The bf16 GEMM kernels round fp32 operands to bf16 while
+they pack them, so the copies are not needed: install() registers aten::linear's AutocastCPU
+kernel (`autocast_linear`), which sends a Linear it serves to `autohc::linear_fp32w`:
+- forward: y (bf16) = x (bf16) · Wᵀ + b, W read in fp32 and rounded to bf16 while packed (the
+  rounding of autocast's cast: to nearest, ties to even), the fp32 bias added to the fp32
+  sums before y's one rounding;
+- backward: dX (bf16) = dY · W (NN, W rounded the same way); dW = dYᵀ · X written straight
+  into an fp32 gradient (TN); db summed as stock sums it.
+The products are stock autocast's; dW skips stock's rounding to bf16 and the cast back, and
+the bias is added unrounded, so those are slightly closer to fp32 than stock's.
+
+Everything else (another autocast dtype, a CPU without a bf16 back-end, a weight or bias not
+float32, a 1-D input, products under the GEMMs' minimum) goes to autocast's own kernel,
+captured before the override: stock's casts, cache and result. A GEMM whose kernel cannot run,
+or whose problem first-use tuning left to ATen, runs as stock autocast runs it: ATen's kernel
+on a bf16 copy of W, a bf16 dW cast to fp32.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kernels.gemm.kernel import KernelError
+from ..kernels.gemm.matmul import gemm_bf16_into, gemm_into
+from . import dispatch, fallback
+from .threads import kernel_threads
+
+_KEY = torch._C.DispatchKey.AutocastCPU
+
+
+def _captured_autocast_linear():
+    """autocast's own aten::linear kernel, or None where this torch offers no handle (then
+    install() leaves autocast's Linear as it is)."""
+    try:
+        return torch._C._dispatch_get_computed_kernel_for_dispatch_key("aten::linear", _KEY)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+STOCK_AUTOCAST_LINEAR = _captured_autocast_linear()
+
+
+def _served(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
+    if torch.get_autocast_dtype("cpu") != torch.bfloat16 or not dispatch._bf16_served():
+        return False
+    if w.dim() != 2 or x.dim() < 2 or not dispatch._ok(w):
+        return False
+    if not (dispatch._ok(x) or dispatch._ok(x, dtype=torch.bfloat16)):
+        return False
+    N, K = w.shape
+    if x.shape[-1] != K or (b is not None and not (dispatch._ok(b) and tuple(b.shape) == (N,))):
+        return False
+    M = x.numel() // K if K else 0
+    return M * N > 0 and M * N * K >= dispatch.MIN_MACS
+
+
+def autocast_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """aten::linear under autocast (install()'s AutocastCPU kernel)."""
+    if not _served(x, w, b):
+        return STOCK_AUTOCAST_LINEAR.call_boxed(torch._C.DispatchKeySet(_KEY), x, w, b)
+    N, K = w.shape
+    y = linear_fp32w(x.to(torch.bfloat16).reshape(-1, K), w, b)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], N)
+
+
+def _aten_linear(x, w, b):
+    """Stock autocast's forward on ATen's own kernels: bf16 copies of w and b."""
+    out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
+    wt = w.to(torch.bfloat16).t()
+    if b is None:
+        return dispatch._aten_out("mm.out")(x, wt, out=out)
+    return dispatch._aten_out("addmm.out")(b.to(torch.bfloat16), x, wt, out=out)
+
+
+@torch.library.custom_op("autohc::linear_fp32w", mutates_args=())
+def linear_fp32w(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """y (bf16, M x N) = x (bf16, M x K) · wᵀ + b, w (N x K) and b (N) float32, rounded to bf16
+    by the kernel while packing."""
+    y = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
+
+    def kernel():
+        if not gemm_bf16_into(x, w.t(), y, 1.0, kernel_threads(), b, 1.0):
+            raise KernelError("this CPU's bf16 back-end has no bf16 store")
+        return dispatch._autohc(y)
+    return fallback.kernel_or(kernel, lambda: dispatch._aten(_aten_linear(x, w, b)), "linear")
+
+
+@linear_fp32w.register_fake
+def _(x, w, b):
+    return x.new_empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
+
+
+def _dx(dy: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """dX (bf16) = dY · W, W float32 rounded while packed (NN)."""
+    dx = torch.empty(dy.shape[0], w.shape[1], dtype=torch.bfloat16)
+
+    def kernel():
+        if not gemm_bf16_into(dy, w, dx, 1.0, kernel_threads()):
+            raise KernelError("this CPU's bf16 back-end has no bf16 store")
+        return dispatch._autohc(dx)
+    aten = lambda: dispatch._aten(dispatch._aten_out("mm.out")(dy, w.to(torch.bfloat16), out=dx))
+    return fallback.kernel_or(kernel, aten, "linear_backward")
+
+
+def _dw(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """dW (fp32) = dYᵀ · X, products of bf16 values summed in fp32 (TN)."""
+    dw = torch.empty(dy.shape[1], x.shape[1], dtype=torch.float32)
+    kernel = lambda: dispatch._autohc(gemm_into(dy.t(), x, dw, 1.0, 0.0, kernel_threads(), dtype="bf16"))
+
+    def aten():                 # stock autocast's: a bf16 gradient, cast to fp32
+        dw16 = dispatch._aten_out("mm.out")(dy.t(), x, out=torch.empty(dw.shape, dtype=torch.bfloat16))
+        return dispatch._aten(dw.copy_(dw16))
+    return fallback.kernel_or(kernel, aten, "linear_backward")
+
+
+def _db(dy: torch.Tensor) -> torch.Tensor:
+    """db = dY summed over rows, as autocast's addmm backward sums it (bf16 sums accumulated in
+    fp32, one rounding), then fp32: a sum with dtype=float32 would first copy all of dY."""
+    return dy.sum(0).float()
+
+
+@torch.library.custom_op("autohc::linear_fp32w_backward", mutates_args=())
+def linear_fp32w_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, want_x: bool,
+                          want_w: bool, want_b: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dX bf16, dW fp32, db fp32) of linear_fp32w; an unwanted one is an empty tensor."""
+    dy = dy.to(torch.bfloat16)
+    none = dy.new_empty(0, dtype=torch.float32)
+    return (_dx(dy, w) if want_x else none.to(torch.bfloat16), _dw(dy, x) if want_w else none,
+            _db(dy) if want_b else none.clone())
+
+
+@linear_fp32w_backward.register_fake
+def _(dy, x, w, want_x, want_w, want_b):
+    return (x.new_empty(x.shape if want_x else (0,), dtype=torch.bfloat16),
+            w.new_empty(w.shape if want_w else (0,), dtype=torch.float32),
+            w.new_empty((w.shape[0],) if want_b else (0,), dtype=torch.float32))
+
+
+def _setup(ctx, inputs, output):
+    x, w, b = inputs
+    ctx.save_for_backward(x, w)
+    ctx.has_bias = b is not None
+
+
+def _backward(ctx, dy):
+    x, w = ctx.saved_tensors
+    want_x, want_w, want_b = ctx.needs_input_grad
+    want_b = want_b and ctx.has_bias
+    dx, dw, db = linear_fp32w_backward(dy, x, w, want_x, want_w, want_b)
+    return dx if want_x else None, dw if want_w else None, db if want_b else None
+
+
+linear_fp32w.register_autograd(_backward, setup_context=_setup)
+
+# what install() registers at the AutocastCPU key (nothing where autocast's own kernel, the
+# way back for what it does not serve, cannot be had)
+AUTOCAST_IMPLS = {"linear": autocast_linear} if STOCK_AUTOCAST_LINEAR is not None else {}
