@@ -222,6 +222,14 @@ def test_fp32_inputs_are_rounded_to_nearest_even_while_packing():
             got = autohc.matmul(x, w.t(), params=p, compute="bf16")
             want = autohc.matmul(x.to(torch.bfloat16), w.to(torch.bfloat16).t(), out=torch.empty(37, 45), params=p)
             assert torch.equal(got, want), name
+            # NN and TN: operands along the other dimension (B's rows, TN's A), 32 columns at
+            # a time rounded in vectors, the rest one by one; ties (low half 0x8000) included
+            ties = torch.randn(301, 45).bfloat16().float().view(torch.int32) | 0x8000
+            b = torch.where(torch.rand(301, 45) < 0.3, ties.view(torch.float32), torch.randn(301, 45))
+            for a in (x, torch.randn(301, 37).t()):
+                got = autohc.matmul(a, b, params=p, compute="bf16")
+                want = autohc.matmul(a.to(torch.bfloat16), b.to(torch.bfloat16), out=torch.empty(37, 45), params=p)
+                assert torch.equal(got, want), name
 
 
 def test_numpy_with_compute_bf16():
