@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import autohc
 from autohc.bench import timing
 from autohc.hw import cpu
-from autohc.torch import dispatch
+from autohc.torch import served
 
 
 def modulate(x, shift, scale):
@@ -136,7 +136,7 @@ def main():
            "stock_spread_pct": t["stock"].spread_pct, "autohc_spread_pct": t["autohc"].spread_pct,
            "speedup": t["stock"].median / t["autohc"].median, "steps": len(a),
            "max_loss_rel_diff": max(abs(x - y) / abs(y) for x, y in zip(a, b)),
-           "ops_served_by_autohc": dispatch.stats["autohc"]}
+           "ops_served_by_autohc": served.stats["autohc"]}
     if args.json:
         print(json.dumps(out))
     else:

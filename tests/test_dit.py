@@ -407,10 +407,10 @@ def test_bench_step_modes_on_the_command_line_are_the_benchmarks():
 def test_bench_step_autohc_under_compile():
     """autohc+compile: inductor's compiled step with its GEMMs on autohc, the stock losses."""
     from autohc.bench.step import bench_step
-    from autohc.torch import dispatch
-    before = dispatch.stats["autohc"]
+    from autohc.torch import served
+    before = served.stats["autohc"]
     r = bench_step("DiT-Ti/8", 2, image_size=16, steps=2, warmup=1, modes=["stock", "autohc+compile"])
-    assert dispatch.stats["autohc"] > before
+    assert served.stats["autohc"] > before
     assert r["autohc_compile_s"] > 0 and r["autohc_compile_speedup_vs_stock"] > 0
     assert r["max_loss_rel_diff"] < 1e-3
 

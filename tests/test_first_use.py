@@ -363,7 +363,7 @@ def test_install_races_aten_and_leaves_it_the_problems_it_wins(fresh, monkeypatc
     problem, in that M bucket only, to ATen, with ATen's own result."""
     from autohc.bench import timing
     from autohc.cli.kernels import _first_use_entries
-    from autohc.torch import dispatch
+    from autohc.torch import served
     raced = []
 
     def aten_faster(fns, **kw):                         # every contender runs; ATen "is faster"
@@ -380,12 +380,12 @@ def test_install_races_aten_and_leaves_it_the_problems_it_wins(fresh, monkeypatc
         first_use.wait()
         F.linear(x, w)
         assert raced[0] == ["aten", "default"] and raced[-1] == ["aten", "default"]    # and confirmed
-        before = dict(dispatch.stats)
+        before = dict(served.stats)
         got = F.linear(x, w)
-        assert dispatch.stats["aten"] == before["aten"] + 1 and dispatch.stats["autohc"] == before["autohc"]
+        assert served.stats["aten"] == before["aten"] + 1 and served.stats["autohc"] == before["autohc"]
         assert torch.equal(got, want)
         other = F.linear(torch.randn(1024, 64, generator=g), w)     # another M bucket: autohc's
-        assert dispatch.stats["autohc"] > before["autohc"]
+        assert served.stats["autohc"] > before["autohc"]
         assert other.shape == (1024, 80)
     (key, entry), = [(k, e) for k, e in registry.entries_for_this_cpu("gemm").items() if "/M128/" in k]
     assert entry["aten_faster"] is True and entry["torch_gflops"] > 0 and entry["source"] == "first-use"

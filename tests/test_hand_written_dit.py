@@ -28,12 +28,12 @@ def test_bad_dims_are_a_one_line_error():
 def test_hand_written_dit_under_autocast_trains_as_stock_autocast():
     """Under torch.autocast bf16 and install(): stock autocast's losses (bf16 rounding apart);
     where the CPU has a bf16 back-end the Linears' bf16 GEMMs are autohc's."""
-    from autohc.torch.dispatch import _bf16_served
+    from autohc.torch.served import bf16_served
     out = subprocess.run([sys.executable, str(SCRIPT), "--depth", "2", "--dim", "96", "--heads", "3",
                           "--batch", "2", "--samples", "3", "--autocast", "--json"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["autocast_bf16"] and r["max_loss_rel_diff"] <= 2e-2
-    if _bf16_served():
+    if bf16_served():
         assert r["ops_served_by_autohc"] >= r["steps"] * 2 * 6    # per block: 6 Linears' GEMMs at least

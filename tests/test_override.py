@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import autohc
 from autohc.torch import dispatch as override
+from autohc.torch import served
 from autohc.torch.threads import kernel_threads
 
 
@@ -26,7 +27,7 @@ def clean():
 
 
 def counts():
-    return dict(override.stats)
+    return dict(served.stats)
 
 
 def close(a, b, k):
@@ -472,7 +473,7 @@ def test_train_asks_for_the_short_spin_before_torch_loads():
     assert run("eval", OMP_WAIT_POLICY="ACTIVE") == 3
 
 
-BF16_HW = override._bf16_served()
+BF16_HW = served.bf16_served()
 
 
 @pytest.mark.skipif(not BF16_HW, reason="no bf16 back-end on this CPU: autocast stays on oneDNN")

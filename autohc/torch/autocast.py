@@ -27,7 +27,7 @@ import torch
 
 from ..kernels.gemm.kernel import KernelError
 from ..kernels.gemm.matmul import gemm_bf16_into, gemm_into
-from . import dispatch, fallback
+from . import fallback, served
 from .threads import kernel_threads
 
 _KEY = torch._C.DispatchKey.AutocastCPU
@@ -46,17 +46,17 @@ STOCK_AUTOCAST_LINEAR = _captured_autocast_linear()
 
 
 def _served(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
-    if torch.get_autocast_dtype("cpu") != torch.bfloat16 or not dispatch._bf16_served():
+    if torch.get_autocast_dtype("cpu") != torch.bfloat16 or not served.bf16_served():
         return False
-    if w.dim() != 2 or x.dim() < 2 or not dispatch._ok(w):
+    if w.dim() != 2 or x.dim() < 2 or not served.tensor_ok(w):
         return False
-    if not (dispatch._ok(x) or dispatch._ok(x, dtype=torch.bfloat16)):
+    if not (served.tensor_ok(x) or served.tensor_ok(x, dtype=torch.bfloat16)):
         return False
     N, K = w.shape
-    if x.shape[-1] != K or (b is not None and not (dispatch._ok(b) and tuple(b.shape) == (N,))):
+    if x.shape[-1] != K or (b is not None and not (served.tensor_ok(b) and tuple(b.shape) == (N,))):
         return False
     M = x.numel() // K if K else 0
-    return M * N > 0 and M * N * K >= dispatch.MIN_MACS
+    return M * N > 0 and M * N * K >= served.MIN_MACS
 
 
 def autocast_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -73,8 +73,8 @@ def _aten_linear(x, w, b):
     out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
     wt = w.to(torch.bfloat16).t()
     if b is None:
-        return dispatch._aten_out("mm.out")(x, wt, out=out)
-    return dispatch._aten_out("addmm.out")(b.to(torch.bfloat16), x, wt, out=out)
+        return served.aten_out("mm.out")(x, wt, out=out)
+    return served.aten_out("addmm.out")(b.to(torch.bfloat16), x, wt, out=out)
 
 
 @torch.library.custom_op("autohc::linear_fp32w", mutates_args=())
@@ -86,8 +86,8 @@ def linear_fp32w(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> to
     def kernel():
         if not gemm_bf16_into(x, w.t(), y, 1.0, kernel_threads(), b, 1.0):
             raise KernelError("this CPU's bf16 back-end has no bf16 store")
-        return dispatch._autohc(y)
-    return fallback.kernel_or(kernel, lambda: dispatch._aten(_aten_linear(x, w, b)), "linear")
+        return served.by_autohc(y)
+    return fallback.kernel_or(kernel, lambda: served.by_aten(_aten_linear(x, w, b)), "linear")
 
 
 @linear_fp32w.register_fake
@@ -102,19 +102,19 @@ def _dx(dy: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     def kernel():
         if not gemm_bf16_into(dy, w, dx, 1.0, kernel_threads()):
             raise KernelError("this CPU's bf16 back-end has no bf16 store")
-        return dispatch._autohc(dx)
-    aten = lambda: dispatch._aten(dispatch._aten_out("mm.out")(dy, w.to(torch.bfloat16), out=dx))
+        return served.by_autohc(dx)
+    aten = lambda: served.by_aten(served.aten_out("mm.out")(dy, w.to(torch.bfloat16), out=dx))
     return fallback.kernel_or(kernel, aten, "linear_backward")
 
 
 def _dw(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """dW (fp32) = dYᵀ · X, products of bf16 values summed in fp32 (TN)."""
     dw = torch.empty(dy.shape[1], x.shape[1], dtype=torch.float32)
-    kernel = lambda: dispatch._autohc(gemm_into(dy.t(), x, dw, 1.0, 0.0, kernel_threads(), dtype="bf16"))
+    kernel = lambda: served.by_autohc(gemm_into(dy.t(), x, dw, 1.0, 0.0, kernel_threads(), dtype="bf16"))
 
     def aten():                 # stock autocast's: a bf16 gradient, cast to fp32
-        dw16 = dispatch._aten_out("mm.out")(dy.t(), x, out=torch.empty(dw.shape, dtype=torch.bfloat16))
-        return dispatch._aten(dw.copy_(dw16))
+        dw16 = served.aten_out("mm.out")(dy.t(), x, out=torch.empty(dw.shape, dtype=torch.bfloat16))
+        return served.by_aten(dw.copy_(dw16))
     return fallback.kernel_or(kernel, aten, "linear_backward")
 
 

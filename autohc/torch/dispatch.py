@@ -24,22 +24,19 @@ untouched: same results, same errors. A kernel that cannot be built or started (
 a pool that cannot start threads) also sends its call to ATen, with one warning per cause
 (autohc/torch/fallback.py). `uninstall()` removes the registrations.
 
-One admissibility predicate per argument kind (`_ok` for tensors, `_serve` for a GEMM's
-operands) decides what autohc takes; everything else is ATen's.
+One admissibility predicate per argument kind (`served.tensor_ok` for tensors, `_serve` for a
+GEMM's operands) decides what autohc takes; everything else is ATen's.
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 import warnings
 
 import torch
 
-from ..hw import cpu
 from ..kernels.gemm.kernel import KernelError
 from ..kernels.gemm.matmul import bmm_into, gemm_bf16_into, gemm_into
-from ..kernels.isa import BF16_ISAS
 from ..runtime import omp
 from ..runtime import plan as cpu_plan
 from ..runtime.memory import fresh_empty
@@ -47,63 +44,30 @@ from ..tune import first_use
 from . import fallback
 from .attention import ATEN_IMPLS as ATTENTION_IMPLS
 from .ops import ATEN_IMPLS
+from .served import ATEN_OUT, MIN_MACS, aten_out, bf16_served, by_aten, by_autohc, tensor_ok
 from .threads import kernel_threads, set_kernel_threads
 
-# Below this many multiply-adds per GEMM, ATen's lower call overhead wins.
-MIN_MACS = 32 * 32 * 32
 # bmm runs as one batched C call (one pool wake per matrix): routed for matrices of this size up.
 MIN_BMM_MACS = 128 * 128 * 128
 
 _lock = threading.Lock()
 _state = {"lib": None, "threads": None, "torch_threads_before": None, "told_one_thread": False}
-stats = {"autohc": 0, "aten": 0}       # calls served by each, for tests and curiosity
-
-
-def _ok(*ts: torch.Tensor, dtype=torch.float32) -> bool:
-    return all(t.dtype == dtype and t.layout == torch.strided and t.device.type == "cpu"
-               and not t.is_quantized and not t.is_neg() for t in ts)
 
 
 def _serve(a: torch.Tensor, b: torch.Tensor, min_macs: int = MIN_MACS, dtype=torch.float32) -> bool:
-    if a.dim() != 2 or b.dim() != 2 or not _ok(a, b, dtype=dtype):
+    if a.dim() != 2 or b.dim() != 2 or not tensor_ok(a, b, dtype=dtype):
         return False
     m, k = a.shape
     n = b.shape[1]
     return b.shape[0] == k and m * n > 0 and m * n * k >= min_macs
 
 
-@functools.lru_cache(maxsize=None)
-def _bf16_served() -> bool:
-    """bf16 GEMMs (what torch.autocast runs linear/matmul in) are served where this CPU has a
-    bf16 back-end, whose kernels write a bf16 C themselves; elsewhere oneDNN's or ATen's."""
-    return cpu.bf16_isa()[0] in BF16_ISAS
-
-
 def _serve16(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return _serve(a, b, dtype=torch.bfloat16) and _bf16_served()
+    return _serve(a, b, dtype=torch.bfloat16) and bf16_served()
 
 
 def _real(*scalars) -> bool:
     return not any(isinstance(s, complex) for s in scalars)
-
-
-def _autohc(out: torch.Tensor) -> torch.Tensor:
-    stats["autohc"] += 1
-    return out
-
-
-def _aten(out: torch.Tensor) -> torch.Tensor:
-    stats["aten"] += 1
-    return out
-
-
-def _aten_out(name: str):
-    """ATen's own `.out` kernel: the captured one (the `.out` ops are overridden too), else
-    the op itself."""
-    kernel = ATEN_OUT.get(name)
-    if kernel is not None:
-        return lambda *a, **kw: fallback.call_captured(kernel, *a, **kw)
-    return getattr(torch.ops.aten, name.split(".")[0]).out
 
 
 def _batched(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -130,12 +94,12 @@ def _broadcasts(inp: torch.Tensor, shape) -> bool:
 def _plus_ok(pair_ok: bool, inp, beta, alpha, shape) -> bool:
     """addmm/baddbmm: the pair served, inp a float32 CPU tensor that broadcasts to the result
     (`shape()` is asked only then: ATen raises its own errors for the rest), real scalars."""
-    return pair_ok and _ok(inp) and _real(beta, alpha) and _broadcasts(inp, shape())
+    return pair_ok and tensor_ok(inp) and _real(beta, alpha) and _broadcasts(inp, shape())
 
 
 def _fits(out: torch.Tensor, shape, *inputs: torch.Tensor, dtype=torch.float32) -> bool:
     """out is a float32 (dtype) row-major result of `shape` sharing no memory with the inputs."""
-    if not (_ok(out, dtype=dtype) and tuple(out.shape) == tuple(shape) and out.is_contiguous()):
+    if not (tensor_ok(out, dtype=dtype) and tuple(out.shape) == tuple(shape) and out.is_contiguous()):
         return False
     mem = out.untyped_storage().data_ptr()
     return all(t.untyped_storage().data_ptr() != mem for t in inputs)
@@ -166,18 +130,18 @@ def _gemm(name: str, into, served: bool, out, x, y, inp=None, beta=0, alpha=1):
     bmm_into) where served, else by ATen's own `<name>.out` kernel into `out`: the one path
     of the functional and the `.out` forms of mm, addmm, bmm and baddbmm. A Linear's bias
     goes to the kernel, which writes it tile by tile (no copy of it into out first)."""
-    aten = _aten_out(f"{name}.out")
+    aten = aten_out(f"{name}.out")
     if inp is None:
-        return fallback.kernel_or(lambda: _autohc(into(x, y, out, 1.0, 0.0, kernel_threads())),
-                                  lambda: _aten(aten(x, y, out=out)), name, served=served)
+        return fallback.kernel_or(lambda: by_autohc(into(x, y, out, 1.0, 0.0, kernel_threads())),
+                                  lambda: by_aten(aten(x, y, out=out)), name, served=served)
     bias = _row_bias(out, inp, beta) if into is gemm_into and served else None
 
     def kernel():
         if bias is not None:
             return gemm_into(x, y, out, float(alpha), float(beta), kernel_threads(), bias)
         return into(x, y, _start_in(out, inp, beta), float(alpha), float(beta), kernel_threads())
-    return fallback.kernel_or(lambda: _autohc(kernel()),
-                              lambda: _aten(aten(inp, x, y, beta=beta, alpha=alpha, out=out)),
+    return fallback.kernel_or(lambda: by_autohc(kernel()),
+                              lambda: by_aten(aten(inp, x, y, beta=beta, alpha=alpha, out=out)),
                               name, served=served)
 
 
@@ -185,7 +149,7 @@ def _gemm16(name: str, out, x, y, inp=None, beta=0, alpha=1):
     """The bf16 form of _gemm (mm and addmm of bfloat16 tensors, as torch.autocast runs a
     Linear): out (bfloat16) := bf16(alpha * x @ y + beta * bias), by the bf16 kernels' own
     bf16 store; a Linear's bias only (any other inp is ATen's, decided by the caller)."""
-    aten = _aten_out(f"{name}.out")
+    aten = aten_out(f"{name}.out")
     bias = None if inp is None else _row_bias(out, inp, beta)
 
     def kernel():
@@ -195,13 +159,13 @@ def _gemm16(name: str, out, x, y, inp=None, beta=0, alpha=1):
 
     def at():
         return aten(x, y, out=out) if inp is None else aten(inp, x, y, beta=beta, alpha=alpha, out=out)
-    return fallback.kernel_or(lambda: _autohc(kernel()), lambda: _aten(at()), name)
+    return fallback.kernel_or(lambda: by_autohc(kernel()), lambda: by_aten(at()), name)
 
 
 def _plus16_ok(inp, m1, m2, beta, alpha) -> bool:
     """addmm in bf16: the pair served and inp a bf16 Linear's bias (one row; ATen rejects an
     inp of another dtype, and keeps doing so)."""
-    return (_serve16(m1, m2) and _real(beta, alpha) and _ok(inp, dtype=torch.bfloat16)
+    return (_serve16(m1, m2) and _real(beta, alpha) and tensor_ok(inp, dtype=torch.bfloat16)
             and inp.dim() in (1, 2) and inp.shape[-1] == m2.shape[1] and inp.numel() == m2.shape[1])
 
 
@@ -231,11 +195,10 @@ def _baddbmm(inp, b1, b2, *, beta=1, alpha=1):
                  b1, b2, inp, beta, alpha)
 
 
+
 # ---- the `.out` forms: what torch.compile's inductor calls (extern_kernels.mm/addmm/bmm with
 # a buffer of its own), so that compiled graphs run their GEMMs on autohc too. Served where
-# the buffer fits; a call not served goes to ATen's own kernel, captured before the override.
-ATEN_OUT = {name: fallback.captured(name) for name in ("mm.out", "addmm.out", "bmm.out", "baddbmm.out")}
-
+# the buffer fits; a call not served goes to ATen's own kernel (served.ATEN_OUT).
 
 def _mm_out(a, b, *, out):
     if _serve16(a, b) and _fits(out, _mm_shape(a, b), a, b, dtype=torch.bfloat16):
