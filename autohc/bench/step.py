@@ -89,7 +89,7 @@ class _Mode:
         self.batch, self.size = batch, image_size
         self.times, self.losses = [], []
 
-    def step(self) -> None:
+    def step(self, finish_tuning: bool = True) -> None:
         torch.set_rng_state(self.rng)
         g = self.gen
         x, t, y, noise = synthetic_batch(g, self.batch, self.size)
@@ -102,10 +102,18 @@ class _Mode:
             loss.backward()
             self.opt.step()
             self.times.append(time.perf_counter() - t0)
-            if self.on_autohc and first_use.enabled():
-                first_use.finish_pending()      # untimed: what is left raced between steps
+            if finish_tuning:
+                self.finish_tuning()
         self.losses.append(loss.item())
         self.rng = torch.get_rng_state()
+
+    def finish_tuning(self) -> None:
+        """Untimed: what first-use tuning has left is raced between steps (installed, so that
+        ATen's kernel races too; inside step() it already is)."""
+        if self.on_autohc:
+            with override.installed(**self.install_kw):
+                if first_use.enabled():
+                    first_use.finish_pending()
 
 
 # `bench step --profile`: op classes by the profiler's event names (self time, so a kernel's
@@ -153,7 +161,8 @@ def profile_step(mode: "_Mode") -> dict:
     """Shares of one step's wall time per op class (PROFILE_CLASSES), one profiled step."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        mode.step()
+        mode.step(finish_tuning=False)  # the races first-use tuning has left are not the step's
+    mode.finish_tuning()
     wall = mode.times.pop()         # not one of the timed steps
     mode.losses.pop()
     seconds = dict.fromkeys(PROFILE_CLASSES, 0.0)
