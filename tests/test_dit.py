@@ -415,6 +415,15 @@ def test_bench_step_autohc_under_compile():
     assert r["max_loss_rel_diff"] < 1e-3
 
 
+def test_profile_counts_the_ops_inside_an_optimizer_step_as_the_optimizers():
+    from types import SimpleNamespace as Event
+    from autohc.bench.step import event_class
+    step = Event(name="Optimizer.step#AdamW.step", cpu_parent=None)
+    assert event_class(Event(name="aten::lerp_", cpu_parent=Event(name="aten::foo", cpu_parent=step))) == "optimizer"
+    assert event_class(Event(name="aten::lerp_", cpu_parent=None)) == "elementwise"
+    assert event_class(Event(name="aten::mm", cpu_parent=None)) == "gemm"
+
+
 def test_bench_step_stock_vs_autohc():
     from autohc.bench.step import bench_step
     r = bench_step("DiT-Ti/8", 2, image_size=16, steps=3, warmup=1, modes=["stock", "autohc"],

@@ -157,6 +157,18 @@ def op_class(name: str) -> str | None:
     return None
 
 
+def event_class(event) -> str | None:
+    """op_class of a profiler event, except that whatever runs inside an optimizer's step is the
+    optimizer's: stock AdamW on the CPU runs per-parameter element-wise ops (lerp_, mul_, sqrt,
+    addcdiv_), which op_class alone counts as element-wise work."""
+    parent = event
+    while parent is not None:
+        if parent.name.startswith("Optimizer.step"):
+            return "optimizer"
+        parent = parent.cpu_parent
+    return op_class(event.name)
+
+
 def profile_step(mode: "_Mode") -> dict:
     """Shares of one step's wall time per op class (PROFILE_CLASSES), one profiled step."""
     from torch.profiler import ProfilerActivity, profile
@@ -166,8 +178,8 @@ def profile_step(mode: "_Mode") -> dict:
     wall = mode.times.pop()         # not one of the timed steps
     mode.losses.pop()
     seconds = dict.fromkeys(PROFILE_CLASSES, 0.0)
-    for e in prof.key_averages():
-        cls = op_class(e.key)
+    for e in prof.events():
+        cls = event_class(e)
         if cls is not None:
             seconds[cls] += e.self_cpu_time_total / 1e6
     known = sum(v for k, v in seconds.items() if k != "other")
