@@ -3,9 +3,9 @@ weight, with no bf16 copy of it.
 
 Stock autocast runs a Linear on bf16 copies: it casts the fp32 weight (and bias) to bf16 in
 the forward, keeps that copy for the backward, and casts the weight's bf16 gradient back to
-fp32. On DiT-XL/2 that is 675 M weights copied twice a step, 7 % of autohc's bf16 step on a
-Zen 4 (docs/history.md, stop 62). The bf16 GEMM kernels round fp32 operands to bf16 while
-they pack them, so the copies are not needed: install() registers aten::linear's AutocastCPU
+fp32. On DiT-XL/2 that is 675 M weights copied twice a step, and their bf16 copies held from
+the forward to the backward (measured in docs/history.md, stops 62 and 64). The bf16 GEMM
+kernels round fp32 operands to bf16 while they pack them, so the copies are not needed: install() registers aten::linear's AutocastCPU
 kernel (`autocast_linear`), which sends a Linear it serves to `autohc::linear_fp32w`:
 - forward: y (bf16) = x (bf16) · Wᵀ + b, W read in fp32 and rounded to bf16 while packed (the
   rounding of autocast's cast: to nearest, ties to even), the fp32 bias added to the fp32
