@@ -23,7 +23,7 @@ from ...hw import cpu
 from ...runtime import cftp
 from ...tune import registry
 from .family import m_bucket
-from .kernel import default_kernel_params, get_kernel
+from .kernel import KernelError, default_kernel_params, get_kernel
 from .params import MAX_THREADS, GemmParams
 
 try:  # torch is a dependency, but keep numpy-only use possible
@@ -331,13 +331,15 @@ def gemm_bf16_into(a, b, out, alpha: float, threads: int, bias=None, beta: float
     """out := bf16(alpha * a @ b [+ beta * bias in every row]) for bfloat16 (or float32) CPU tensors
     a, b checked by the caller (the torch override), out bfloat16 (M, N); bias: a float32 or
     bfloat16 tensor of out's row shape. Written by the bf16 kernel itself (its last K panel
-    rounds into out). False, nothing written, where this CPU's bf16 back-end cannot do that or
-    out has no unit column stride: the caller computes another way."""
+    rounds into out): True. KernelError, nothing written, where this CPU's bf16 back-end cannot
+    do that or out has no unit column stride: the caller's fallback computes another way."""
     A, B = operand_raw(a), operand_raw(b)
     params = _override_params(A, B, threads, "bf16")
     if bias is not None:
         bias = bias.to(torch.float32).contiguous()
-    return _run_bf16c("torch", a, b, A, B, operand_raw(out), alpha, threads, params, bias, beta)
+    if not _run_bf16c("torch", a, b, A, B, operand_raw(out), alpha, threads, params, bias, beta):
+        raise KernelError("this CPU's bf16 back-end has no bf16 store")
+    return True
 
 
 _ws = threading.local()
