@@ -126,9 +126,10 @@ def linear_fp32w_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, wa
                           want_w: bool, want_b: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dX bf16, dW fp32, db fp32) of linear_fp32w; an unwanted one is an empty tensor."""
     dy = dy.to(torch.bfloat16)
-    none = dy.new_empty(0, dtype=torch.float32)
-    return (_dx(dy, w) if want_x else none.to(torch.bfloat16), _dw(dy, x) if want_w else none,
-            _db(dy) if want_b else none.clone())
+    unwanted = lambda dtype: dy.new_empty(0, dtype=dtype)     # (a custom op's outputs: no aliases)
+    return (_dx(dy, w) if want_x else unwanted(torch.bfloat16),
+            _dw(dy, x) if want_w else unwanted(torch.float32),
+            _db(dy) if want_b else unwanted(torch.float32))
 
 
 @linear_fp32w_backward.register_fake
