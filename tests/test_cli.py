@@ -258,3 +258,24 @@ def test_threads_beyond_the_usable_cpus_get_a_note(tmp_path):
                        env={**os.environ, "AUTOHC_CACHE_DIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     assert r.stderr.splitlines()[0].startswith("autohc: note: ") and "usable CPU" in r.stderr
+
+
+def test_bf16_gemm_table_does_not_round_a_row_up_to_a_goal():
+    """87.94 % of the peak must not read as 88 %: the issue's line is >= 88 %, and a caption
+    rounded to whole per cent would say a run met it when a row fell short."""
+    import io
+    from rich.console import Console
+    from autohc.cli.bench import _bf16_table
+    row = {"name": "qkv", "layout": "NN", "M": 2048, "K": 1152, "N": 3456, "config": "default",
+           "gflops": 206.3, "pct_peak": 87.94, "torch_gflops": 203.0, "torch_fp32_gflops": 95.9,
+           "numpy_gflops": 101.3, "speedup_vs_torch": 1.016, "speedup_vs_fp32": 2.04}
+    r = {"model": "dit-xl", "threads": 1, "bf16_isa": "avx512bf16", "bf16_why": "test",
+         "peak_kind": "dot", "peak_gflops_per_core": 234.6, "bf16_skinny_unit": "dot",
+         "rows": [row], "geomean_speedup_vs_torch": 1.016, "geomean_speedup_vs_fp32": 2.04,
+         "token_gemms_min_pct_peak": 87.94}
+    buf = io.StringIO()
+    Console(file=buf, width=250).print(_bf16_table(r))
+    text = buf.getvalue()
+    assert ">= 87.9% of the bf16 peak" in text       # the caption
+    assert text.count("87.9%") == 2                    # and the row's % peak
+    assert "88%" not in text

@@ -190,12 +190,12 @@ def _bf16_table(r: dict):
         t.add_column(col, justify="left" if col in ("GEMM", "layout", "config") else "right")
     for w in r["rows"]:
         t.add_row(w["name"], w["layout"], str(w["M"]), str(w["K"]), str(w["N"]), w.get("config", ""),
-                  f"{w['gflops']:.1f}", f"{w['pct_peak']:.0f}%", f"{w['torch_gflops']:.1f}",
+                  f"{w['gflops']:.1f}", f"{w['pct_peak']:.1f}%", f"{w['torch_gflops']:.1f}",
                   f"{w['torch_fp32_gflops']:.1f}", f"{w['numpy_gflops']:.1f}",
                   f"{w['speedup_vs_torch']:.2f}", f"{w['speedup_vs_fp32']:.2f}")
     t.caption = (f"GFLOP/s; both write bf16 C. geomean {r['geomean_speedup_vs_torch']:.2f}x "
                  f"torch bf16 (oneDNN), {r['geomean_speedup_vs_fp32']:.2f}x the faster fp32 library; "
-                 f"token GEMMs at >= {r['token_gemms_min_pct_peak']:.0f}% of the bf16 peak")
+                 f"token GEMMs at >= {r['token_gemms_min_pct_peak']:.1f}% of the bf16 peak")
     return t
 
 
