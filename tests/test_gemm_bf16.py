@@ -211,6 +211,21 @@ def test_zero_sizes_and_nan(isa):
     assert torch.isnan(out[1]).all() and torch.equal(out[[0, 2, 3]], torch.full((3, 3), 8.0))
 
 
+def test_short_k_with_wide_n_stays_inside_the_b_panel(isa):
+    """A K panel shorter than the K step (K = 1 and 3: AMX packs K in blocks of 32, vdpbf16ps in
+    pairs) with N far past the B panel's columns: the packed chunk is sized by the padded K.
+    Sized by the unpadded K, K = 1 on AMX took 32x the buffer's budget at N = 100 000 and wrote
+    into the packed A beside it (wrong results, 10-16 off); vdpbf16ps's 2x stayed inside."""
+    for k, threads in ((1, 1), (3, 2)):
+        params = bf16_params(isa, threads, **PACKED_ONLY)
+        g = torch.Generator().manual_seed(k)
+        a = torch.randn(40, k, generator=g).bfloat16()
+        b = torch.randn(k, 100_000, generator=g).bfloat16()
+        out = autohc.matmul(a, b, out=torch.empty(40, 100_000), params=params)
+        # K <= 3 products of bf16 values are exact in fp32 up to the sums' one rounding
+        check(out, a.double(), b.double(), torch.zeros(40, 100_000), 1.0, 0.0, f"{isa} k{k} t{threads}")
+
+
 def test_fp32_inputs_are_rounded_to_nearest_even_while_packing():
     """compute='bf16' on fp32 inputs gives what bf16 inputs rounded by torch give, bit for bit
     (the same products, summed in the same order)."""
