@@ -226,3 +226,53 @@ def test_linked_objects_are_compiled_once_and_verified(tmp_path, monkeypatch):
     again = json.loads(rec.read_text())
     assert hashlib.sha256((rec.parent / again["file"]).read_bytes()).hexdigest() == again["sha256"]
     assert again["built_at"] > first["built_at"]
+
+
+def test_sanitize_asks_for_its_runtime_or_a_known_name(tmp_path, monkeypatch):
+    """AUTOHC_SANITIZE: an unknown name, or ASan without its runtime loaded first (this test
+    process has none), is a one-line error before anything is built."""
+    from autohc.build import BuildError, build
+    from autohc.build.cache import sanitize_flags
+    monkeypatch.setenv("AUTOHC_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("AUTOHC_SANITIZE", raising=False)
+    assert sanitize_flags() == ()
+    for value, says in (("thread", "the one sanitizer"), ("address", "LD_PRELOAD=")):
+        monkeypatch.setenv("AUTOHC_SANITIZE", value)
+        with pytest.raises(BuildError, match=says) as err:
+            build("int f(void) { return 1; }", "int f(void);", ())
+        assert "\n" not in str(err.value)
+    assert not entries(tmp_path)
+
+
+ASAN_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from autohc.build import build
+    src = ("#include <stdlib.h>\\n"
+           "int sum_first(int n) { int *p = malloc(16 * sizeof(int)); int s = 0;"
+           " for (int i = 0; i < n; ++i) p[i] = i; for (int i = 0; i < n; ++i) s += p[i];"
+           " free(p); return s; }\\n")
+    lib = build(src, "int sum_first(int n);", ()).lib
+    print(json.dumps({"in_bounds": lib.sum_first(16)}), flush=True)
+    lib.sum_first(int(sys.argv[1]))      # past the 16 ints: ASan stops the process here
+    print("not caught", flush=True)
+""")
+
+
+def test_sanitize_address_builds_kernels_that_asan_checks(tmp_path):
+    """Under AUTOHC_SANITIZE=address, with ASan's runtime preloaded (the recipe in
+    docs/kernels.md), a library's writes are checked: one past its buffer stops the process
+    with ASan's report; within bounds it computes as before."""
+    libasan = subprocess.run(["gcc", "-print-file-name=libasan.so"], capture_output=True,
+                             text=True).stdout.strip()
+    if not os.path.isabs(libasan):
+        pytest.skip("gcc has no libasan.so here")
+    env = {**os.environ, "AUTOHC_CACHE_DIR": str(tmp_path), "AUTOHC_SANITIZE": "address",
+           "LD_PRELOAD": libasan, "ASAN_OPTIONS": "detect_leaks=0"}
+    proc = subprocess.run([sys.executable, "-c", ASAN_SCRIPT, "17"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    first = json.loads(proc.stdout.splitlines()[0])
+    assert first["in_bounds"] == sum(range(16))
+    assert "heap-buffer-overflow" in proc.stderr and proc.returncode != 0
+    assert "not caught" not in proc.stdout
+    records = [json.loads(r.read_text()) for r in (tmp_path / "kernels").glob("*/record.json")]
+    assert records and all("-fsanitize=address" in r["flags"] for r in records)

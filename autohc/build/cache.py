@@ -29,6 +29,9 @@ from pathlib import Path
 import cffi
 
 OPT_FLAGS = ("-O3", "-fPIC", "-fno-strict-aliasing", "-std=gnu11")
+# AUTOHC_SANITIZE=address: every kernel built with AddressSanitizer (its own cache key), for
+# checking the kernels' bounds under the tests (docs/kernels.md, "Correctness")
+SANITIZE_FLAGS = {"address": ("-fsanitize=address", "-fno-omit-frame-pointer", "-g")}
 
 
 class BuildError(RuntimeError):
@@ -254,11 +257,33 @@ def _compile(source: str, cdef: str, flags: tuple[str, ...], cc: str, key: str,
     return out
 
 
+def sanitize_flags() -> tuple[str, ...]:
+    """The flags AUTOHC_SANITIZE asks for (none where it is unset). A sanitized library loads
+    only into a process whose sanitizer runtime came first, so that is checked here, before a
+    build, with the command that gives it."""
+    name = os.environ.get("AUTOHC_SANITIZE", "")
+    if not name:
+        return ()
+    if name not in SANITIZE_FLAGS:
+        raise BuildError(f"AUTOHC_SANITIZE={name!r}: the one sanitizer autohc builds with is "
+                         f"{' or '.join(map(repr, SANITIZE_FLAGS))} (or leave it unset)")
+    try:
+        with open("/proc/self/maps") as maps:
+            loaded = "libasan" in maps.read()
+    except OSError:             # (no /proc: the loader's own error says it)
+        loaded = True
+    if not loaded:
+        raise BuildError("AUTOHC_SANITIZE=address needs AddressSanitizer's runtime loaded first: "
+                         "run with LD_PRELOAD=$(gcc -print-file-name=libasan.so) "
+                         "ASAN_OPTIONS=detect_leaks=0")
+    return SANITIZE_FLAGS[name]
+
+
 def build(source: str, cdef: str, flags: tuple[str, ...] = (), *, meta: dict | None = None,
           objects: tuple[str, ...] = ()) -> Library:
     """Compile (or fetch from the cache) and load a verified library. Thread- and process-safe.
     objects: more C sources, each compiled once into a cached object (_object) and linked in."""
-    flags, objects = tuple(flags), tuple(objects)
+    flags, objects = tuple(flags) + sanitize_flags(), tuple(objects)
     # the key covers the linked sources too
     keyed = source + "".join(f"\0linked object:\0{o}" for o in objects)
     skey = source_key(keyed, cdef, flags)
