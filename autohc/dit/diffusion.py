@@ -11,12 +11,16 @@ import torch
 
 
 class GaussianDiffusion:
-    def __init__(self, steps: int = 1000, beta_start: float = 1e-4, beta_end: float = 0.02):
-        if steps < 1:
-            raise ValueError(f"diffusion steps must be >= 1, got {steps}")
-        self.num_timesteps = steps
-        # schedule in float64 (as the reference), used as float32 per batch
-        self._schedule(torch.linspace(beta_start, beta_end, steps, dtype=torch.float64))
+    def __init__(self, steps: int = 1000, beta_start: float = 1e-4, beta_end: float = 0.02, *,
+                 betas: torch.Tensor | None = None):
+        """The linear schedule of `steps` betas, or (`betas`) a chain on the given ones."""
+        if betas is None:
+            if steps < 1:
+                raise ValueError(f"diffusion steps must be >= 1, got {steps}")
+            # schedule in float64 (as the reference), used as float32 per batch
+            betas = torch.linspace(beta_start, beta_end, steps, dtype=torch.float64)
+        self.num_timesteps = len(betas)
+        self._schedule(betas)
 
     def _schedule(self, betas: torch.Tensor) -> None:
         self.betas = betas
@@ -42,10 +46,8 @@ class GaussianDiffusion:
             kept.append(round(at))
             at += stride
         ac = self.alphas_cumprod[kept]
-        spaced = object.__new__(GaussianDiffusion)
-        spaced.num_timesteps = steps
-        spaced._schedule(1.0 - ac / torch.cat([torch.ones(1, dtype=torch.float64), ac[:-1]]))
-        return spaced, kept
+        betas = 1.0 - ac / torch.cat([torch.ones(1, dtype=torch.float64), ac[:-1]])
+        return GaussianDiffusion(betas=betas), kept
 
     @staticmethod
     def _at(a: torch.Tensor, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
