@@ -123,6 +123,12 @@ def test_respaced_chain_keeps_each_kept_steps_alphas_cumprod():
         assert kept[0] == 0 and (n == 1 or kept[-1] == 999)
         np.testing.assert_allclose(spaced.alphas_cumprod.numpy(), d.alphas_cumprod[kept].numpy(), rtol=1e-12)
     assert d.respaced(250)[1][:4] == [0, 4, 8, 12]      # stride 999/249 = 4.012
+    # the chain is the constructor's on those betas: the same schedule from them directly
+    again = GaussianDiffusion(betas=d.respaced(7)[0].betas)
+    np.testing.assert_array_equal(again.alphas_cumprod.numpy(), d.respaced(7)[0].alphas_cumprod.numpy())
+    for bad in (torch.zeros(0, dtype=torch.float64), torch.zeros(2, 2, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="1-D tensor of at least one step"):
+            GaussianDiffusion(betas=bad)
 
 
 @pytest.mark.parametrize("sampler,steps", [("ddim", 50), ("ddim", 7), ("ddpm", 1000), ("ddpm", 250),

@@ -19,6 +19,8 @@ class GaussianDiffusion:
                 raise ValueError(f"diffusion steps must be >= 1, got {steps}")
             # schedule in float64 (as the reference), used as float32 per batch
             betas = torch.linspace(beta_start, beta_end, steps, dtype=torch.float64)
+        elif betas.dim() != 1 or len(betas) < 1:
+            raise ValueError(f"betas must be a 1-D tensor of at least one step, got shape {tuple(betas.shape)}")
         self.num_timesteps = len(betas)
         self._schedule(betas)
 
