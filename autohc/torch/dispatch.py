@@ -193,7 +193,6 @@ def _baddbmm(inp, b1, b2, *, beta=1, alpha=1):
                  b1, b2, inp, beta, alpha)
 
 
-
 # ---- the `.out` forms: what torch.compile's inductor calls (extern_kernels.mm/addmm/bmm with
 # a buffer of its own), so that compiled graphs run their GEMMs on autohc too. Served where
 # the buffer fits; a call not served goes to ATen's own kernel (served.ATEN_OUT).
@@ -229,7 +228,7 @@ OUT_IMPLS = ({"mm.out": _mm_out, "addmm.out": _addmm_out, "bmm.out": _bmm_out,
 
 def _aten_mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     """out := a @ b by ATen's own mm.out kernel (first-use tuning's ATen contender)."""
-    fallback.call_captured(ATEN_OUT["mm.out"], a, b, out=out)
+    aten_out("mm.out")(a, b, out=out)
 
 
 def _positive(name: str, v) -> None:
