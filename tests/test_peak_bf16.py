@@ -4,6 +4,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -40,6 +41,15 @@ def test_peaks_match_what_this_cpu_has():
         # 117), about half of it on Intel's AMX Xeons, where vdpbf16ps issues on one port and
         # FMAs on two (model 207: 88 vs 170; a guest reporting model 167: 115 vs 235)
         fp32 = peak.fma_peak_gflops("avx512")
+        # the other test worker can share this core for a whole 0.2 s probe (a Zen 4's fp32
+        # probe once read 49.7 against its 117): the best of fresh probes spread over a few
+        # seconds, before judging the ratio, which stays as strict
+        for _ in range(6):
+            if 0.35 * fp32 < dot < 4 * fp32:
+                break
+            time.sleep(0.3)
+            fp32 = max(fp32, peak.fma_peak_gflops.__wrapped__("avx512"))
+            dot = max(dot, peak.bf16_peak_gflops.__wrapped__("dot"))
         assert 0.35 * fp32 < dot < 4 * fp32, (dot, fp32)
     else:
         assert dot is None
