@@ -411,6 +411,46 @@ def test_a_from_its_own_rows(unit):
                            f"m{m} k{k} n{n} lda {a.stride()} {a_dtype}")
 
 
+@pytest.mark.skipif("avx512bf16" not in BF16_UNITS, reason="needs AVX512_BF16")
+def test_a_from_its_rows_bounded_by_n_and_row_stride():
+    """vdpbf16ps's a_direct with a_direct_n: A from its rows only where the way's N is at most
+    that, and never where A's rows lie a multiple of 4 KiB apart (they would share an L1 set);
+    each side of both bounds, 1 and 2 threads (2 JC ways: each way's own N), against float64 and
+    bit-identical to the same blocks packing A (the same products summed in the same order)."""
+    rng = random.Random(47)
+    with backend("avx512bf16") as isa:
+        pairs = [(bf16_params(isa, t, kc=64, mc=96, nc=96, a_outer=True, own_rows=own, a_direct=True,
+                              a_direct_n=64, jc_ways=jc, ic_ways=t // jc, **PACKED_ONLY),
+                  bf16_params(isa, t, kc=64, mc=96, nc=96, a_outer=True, own_rows=own, jc_ways=jc,
+                              ic_ways=t // jc, **PACKED_ONLY))
+                 for t, own, jc in ((1, True, 1), (2, True, 1), (2, False, 2))]
+        with pytest.raises(ParamError, match="a_direct_n"):
+            bf16_params(isa, 1, a_outer=True, a_direct=False, a_direct_n=64)
+        with pytest.raises(ParamError, match="a_direct_n"):
+            bf16_params("amx", 1, a_outer=True, a_direct=True, a_direct_n=64)
+        prebuild([p for pair in pairs for p in pair])
+        # (M, K, N, A's row stride): N at and past 64 (one way's N past it, the other's not,
+        # at 2 ways), rows 4 KiB (2048 bf16) and 8 KiB apart, and 2 KiB (direct)
+        cases = ((71, 160, 45, 160), (71, 160, 64, 162), (71, 160, 101, 160), (71, 160, 130, 170),
+                 (37, 160, 45, 2048), (37, 98, 45, 4096), (37, 160, 45, 1024), (25, 2048, 33, 2048))
+        for direct, packed in pairs:
+            for layout in ("NT", "NN"):
+                for i, (m, k, n, lda) in enumerate(cases):
+                    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+                    a = torch.randn(m, lda, generator=g).to(torch.bfloat16)[:, :k]
+                    b = (torch.randn(n, k, generator=g).t() if layout == "NT"
+                         else torch.randn(k, n, generator=g)).to(torch.bfloat16)
+                    out_dtype = (torch.bfloat16, torch.float32)[i % 2]
+                    outs = []
+                    for p in (direct, packed):
+                        out = torch.zeros(m, n, dtype=out_dtype)
+                        autohc.matmul(a, b, out=out, params=p)
+                        outs.append(out)
+                    what = f"a_direct_n t{direct.threads} jc{direct.jc_ways} {layout} m{m} k{k} n{n} lda {lda}"
+                    check_bf16(outs[0], a.float(), b.float(), torch.zeros(m, n), 1.0, 0.0, what)
+                    assert torch.equal(outs[0], outs[1]), what
+
+
 @pytest.mark.skipif(not ({"amx", EMULATED_AMX} & set(BF16_UNITS)), reason="needs AMX, real or emulated")
 def test_own_rows_by_k_gives_own_rows_results_bit_for_bit():
     """own_rows_by_k (2 threads, 32-row micro-panels: own rows up to K 512, shared A blocks

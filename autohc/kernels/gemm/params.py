@@ -22,6 +22,7 @@ RANGES: dict[str, tuple[int, int]] = {
     "jc_ways": (1, 256), "ic_ways": (1, 256), "jr_ways": (1, 256),
     "prefetch_a": (0, 32), "prefetch_b": (0, 32), "skinny_m": (0, 64), "kc_inner": (0, 4096),
     "sink_every": (0, 64), "stream_b_k": (0, 4096), "one_panel_k": (0, 8192), "own_rows_b_kib": (0, 65536),
+    "a_direct_n": (0, 65536),
 }
 CHOICES: dict[str, tuple] = {
     "isa": tuple(GEMM_ISAS), "dtype": ("fp32", "bf16"), "k_unroll": (1, 2, 4, 8), "depth": (1, 2, 3),
@@ -32,7 +33,8 @@ CHOICES: dict[str, tuple] = {
 # fields that to_dict leaves out at these values (each added later: fp32 sets before bf16, ...)
 OMITTED_AT = {"dtype": "fp32", "c_tiles": False, "skinny_unit": "auto", "kc_inner": 0, "sink_every": 0,
               "a_direct": False, "defer_epilogue": False, "prefetch_next_a": False,
-              "own_rows_by_k": False, "stream_b_k": 0, "one_panel_k": 0, "own_rows_b_kib": 0}
+              "own_rows_by_k": False, "stream_b_k": 0, "one_panel_k": 0, "own_rows_b_kib": 0,
+              "a_direct_n": 0}
 # names of earlier releases, still read from registries written by them
 LEGACY_NAMES = {"clusters": "jc_ways", "tm": "ic_ways", "tn": "jr_ways"}
 RETIRED = {"pin", "spin_us"}       # now the worker pool's (runtime/pool.py), not a kernel's
@@ -123,6 +125,11 @@ class GemmParams:
     # even past kc, so that no fp32 partial sums of C are written and read back between
     # panels; B's chunks keep kc x nc's size (templates/gemm/gemm.c.j2; docs/history.md, stop 58)
     one_panel_k: int = 0
+    # avx512bf16 with a_direct only (0: any N): A is read from its rows only where the way's N
+    # is at most this; past it the pack is paid over many B micro-panels and a packed A
+    # micro-panel streamed a little better (on a Zen 4: +0.4 to +4 points of the dot peak at N
+    # 384-1152, -0.2 to -0.9 at N 3456-4608, 2 threads; docs/history.md, stop 66)
+    a_direct_n: int = 0
 
     @property
     def threads(self) -> int:
@@ -186,6 +193,9 @@ class GemmParams:
         if self.a_direct and (self.isa not in ("amx", "avx512bf16") or not self.a_outer):
             raise ParamError(f"a_direct: A read from its own rows is the amx and avx512bf16 back-ends', "
                              f"with a_outer; not {self.isa}'s{'' if self.a_outer else ' without a_outer'}")
+        if self.a_direct_n and (self.isa != "avx512bf16" or not self.a_direct):
+            raise ParamError(f"a_direct_n={self.a_direct_n}: bounds the N where vdpbf16ps reads A from its rows; "
+                             f"needs the avx512bf16 back-end with a_direct; must be 0")
         if self.own_rows_by_k and not (self.a_outer and self.own_rows):
             raise ParamError("own_rows_by_k: limits own rows by K; needs a_outer and own_rows")
         if self.own_rows_b_kib and not self.own_rows_by_k:
