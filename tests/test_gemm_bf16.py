@@ -113,6 +113,16 @@ def check_bf16(got, a, b, c0, alpha, beta, what):
         check(got, a64, b64, c0, alpha, beta, what)
 
 
+def products(kernels, a, b, out_dtype):
+    """A B by each of `kernels`, each into a zeroed C of out_dtype."""
+    outs = []
+    for p in kernels:
+        out = torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype)
+        autohc.matmul(a, b, out=out, params=p)
+        outs.append(out)
+    return outs
+
+
 def test_fuzz_layouts_shapes_strides_dtypes(isa):
     """Ragged shapes (1, primes, past the tiles and blocks), the three layouts, strided
     views, alpha/beta, bf16/fp32/mixed inputs and fp32/bf16 out, on one and two threads."""
@@ -441,11 +451,7 @@ def test_a_from_its_rows_bounded_by_n_and_row_stride():
                     b = (torch.randn(n, k, generator=g).t() if layout == "NT"
                          else torch.randn(k, n, generator=g)).to(torch.bfloat16)
                     out_dtype = (torch.bfloat16, torch.float32)[i % 2]
-                    outs = []
-                    for p in (direct, packed):
-                        out = torch.zeros(m, n, dtype=out_dtype)
-                        autohc.matmul(a, b, out=out, params=p)
-                        outs.append(out)
+                    outs = products((direct, packed), a, b, out_dtype)
                     what = f"a_direct_n t{direct.threads} jc{direct.jc_ways} {layout} m{m} k{k} n{n} lda {lda}"
                     check_bf16(outs[0], a.float(), b.float(), torch.zeros(m, n), 1.0, 0.0, what)
                     assert torch.equal(outs[0], outs[1]), what
@@ -472,11 +478,7 @@ def test_own_rows_by_k_gives_own_rows_results_bit_for_bit():
             a, b = operands(layout, m, k, n, rng)
             a, b = a.to(torch.bfloat16), b.to(torch.bfloat16)
             for out_dtype in (torch.bfloat16, torch.float32):
-                outs = []
-                for p in (by_k, own, shared, by_b):
-                    out = torch.zeros(m, n, dtype=out_dtype)
-                    autohc.matmul(a, b, out=out, params=p)
-                    outs.append(out)
+                outs = products((by_k, own, shared, by_b), a, b, out_dtype)
                 what = f"own_rows_by_k {layout} {m}x{k}x{n} {out_dtype}"
                 assert all(torch.equal(outs[0], o) for o in outs[1:]), what
                 check_bf16(outs[0], a.float(), b.float(), torch.zeros(m, n), 1.0, 0.0, what)
@@ -495,11 +497,7 @@ def check_pairs(name, pairs, shapes, rng, bitwise):
             a, b = operands(layout, m, k, n, rng)
             a, b = a.to(torch.bfloat16), b.to(torch.bfloat16)
             for out_dtype in (torch.bfloat16, torch.float32):
-                outs = []
-                for p in (new, old):
-                    out = torch.zeros(m, n, dtype=out_dtype)
-                    autohc.matmul(a, b, out=out, params=p)
-                    outs.append(out)
+                outs = products((new, old), a, b, out_dtype)
                 what = f"{name} t{new.threads} {layout} {m}x{k}x{n} {out_dtype}"
                 check_bf16(outs[0], a.float(), b.float(), torch.zeros(m, n), 1.0, 0.0, what)
                 if bitwise(m, n, new):
