@@ -127,8 +127,7 @@ class GemmParams:
     one_panel_k: int = 0
     # avx512bf16 with a_direct only (0: any N): A is read from its rows only where the way's N
     # is at most this; past it the pack is paid over many B micro-panels and a packed A
-    # micro-panel streamed a little better (on a Zen 4: +0.4 to +4 points of the dot peak at N
-    # 384-1152, -0.2 to -0.9 at N 3456-4608, 2 threads; docs/history.md, stop 66)
+    # micro-panel streamed a little better (measured on a Zen 4: docs/history.md, stop 66)
     a_direct_n: int = 0
 
     @property
