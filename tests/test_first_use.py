@@ -172,6 +172,24 @@ def test_an_entry_that_kept_an_earlier_default_is_tuned_again(fresh):
     assert gm.tuned_params(512, 384, 1152, (384, 1), (1, 384), threads) == old
 
 
+def test_info_line_says_where_a_comes_from_its_rows(fresh):
+    """`autohc info`'s line of a first-use entry names a_direct and its N bound, so that two
+    entries that differ only by it do not read the same."""
+    from autohc.cli.kernels import _first_use_entries
+    from autohc.kernels.gemm.params import GemmParams
+    base = dict(isa="avx512bf16", vl=16, mr=12, nr=32, kc=1152, mc=6144, nc=384, dtype="bf16", a_outer=True)
+    lines = {}
+    for name, more in (("packed", {}), ("direct", {"a_direct": True}),
+                       ("bounded", {"a_direct": True, "a_direct_n": 2048})):
+        p = GemmParams(**base, **more).validate()
+        registry.record("gemm", "NN", 1152, 384 + len(lines), 2048, 1, p, 100.0, 90.0, source="first-use",
+                        default_gflops=100.0)
+        lines[name] = next(line for line in _first_use_entries(registry) if f"/N{384 + len(lines)}/" in line)
+    assert "a_direct" not in lines["packed"]
+    assert " a_direct ways" in lines["direct"]
+    assert " a_direct (N <= 2048) ways" in lines["bounded"]
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_candidates_leave_out_the_skinny_paths_a_raced_problem_never_takes(dtype):
     """Only problems past skinny_m are raced, so their candidates are built without the skinny

@@ -130,8 +130,11 @@ def _first_use_entries(registry) -> list[str]:
                else f"ATen faster ({e.get('torch_gflops')} GFLOP/s): install() leaves it to ATen"
                if e.get("aten_faster") else "default kept" if kept else "candidate won")
         ways = f"{p.get('jc_ways', 1)}x{p.get('ic_ways', 1)}x{p.get('jr_ways', 1)}"
+        # (A from its rows: entries that differ only by it would read the same otherwise)
+        bound = f" (N <= {p['a_direct_n']})" if p.get("a_direct_n") else ""
+        direct = f" a_direct{bound}" if p.get("a_direct") else ""
         out.append(f"{key}: {p.get('mr')}x{p.get('nr')} kc {p.get('kc')} mc {p.get('mc')} "
-                   f"nc {p.get('nc')}{' a_outer' if p.get('a_outer') else ''} ways {ways}, "
+                   f"nc {p.get('nc')}{' a_outer' if p.get('a_outer') else ''}{direct} ways {ways}, "
                    f"{e.get('gflops')} GFLOP/s ({how}; default {e.get('default_gflops')})")
     return out
 
