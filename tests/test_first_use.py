@@ -179,12 +179,11 @@ def test_info_line_says_where_a_comes_from_its_rows(fresh):
     from autohc.kernels.gemm.params import GemmParams
     base = dict(isa="avx512bf16", vl=16, mr=12, nr=32, kc=1152, mc=6144, nc=384, dtype="bf16", a_outer=True)
     lines = {}
-    for name, more in (("packed", {}), ("direct", {"a_direct": True}),
-                       ("bounded", {"a_direct": True, "a_direct_n": 2048})):
+    for n, (name, more) in enumerate((("packed", {}), ("direct", {"a_direct": True}),
+                                      ("bounded", {"a_direct": True, "a_direct_n": 2048})), start=384):
         p = GemmParams(**base, **more).validate()
-        registry.record("gemm", "NN", 1152, 384 + len(lines), 2048, 1, p, 100.0, 90.0, source="first-use",
-                        default_gflops=100.0)
-        lines[name] = next(line for line in _first_use_entries(registry) if f"/N{384 + len(lines)}/" in line)
+        registry.record("gemm", "NN", 1152, n, 2048, 1, p, 100.0, 90.0, source="first-use", default_gflops=100.0)
+        lines[name] = next(line for line in _first_use_entries(registry) if f"/N{n}/" in line)
     assert "a_direct" not in lines["packed"]
     assert " a_direct ways" in lines["direct"]
     assert " a_direct (N <= 2048) ways" in lines["bounded"]
