@@ -100,7 +100,7 @@ def test_a_choice_is_remembered_only_once_settled(fresh):
     asked = []
     settled = {"now": False}
 
-    def hook(layout, M, K, N, threads, dtype):
+    def hook(layout, M, K, N, threads, dtype, c_fp32):
         asked.append((layout, M, K, N))
         return None, settled["now"]
     at = lambda: gm.tuned_params(512, 384, 1152, (384, 1), (1, 384), 1)   # noqa: E731
@@ -454,3 +454,82 @@ def test_aten_is_kept_only_where_it_wins_the_race_and_the_one_after(fresh, monke
     assert next(rounds, None) is None                    # a second race exactly where the first was won
     entry, = registry.entries_for_this_cpu("gemm").values()
     assert entry["aten_faster"] is want
+
+
+def test_the_call_that_meets_a_bf16_problem_says_whether_its_c_is_fp32(fresh, monkeypatch):
+    """autocast's weight gradient (gemm_into, bf16 products into an fp32 dW) starts its
+    problem's tuning as c_fp32; a bf16 C (gemm_bf16_into: the forward and dX) and an fp32
+    problem do not."""
+    from autohc.kernels.gemm.kernel import default_kernel_params
+    from autohc.kernels.gemm.matmul import gemm_bf16_into, gemm_into
+    from autohc.kernels.gemm.problem import GemmProblem
+    met = []
+
+    def start(layout, M, K, N, threads, dtype, c_fp32=False):
+        met.append((layout, dtype, c_fp32))
+        return first_use.Tuning(GemmProblem("first-use", layout, M, K, N), threads,
+                                default_kernel_params(threads, dtype=dtype), [], state="skipped")
+    monkeypatch.setattr(first_use, "_start", start)
+    first_use.enable()
+    g = torch.Generator().manual_seed(11)
+    dy, x = torch.randn(96, 40, generator=g).bfloat16(), torch.randn(96, 24, generator=g).bfloat16()
+    dw = torch.empty(40, 24)
+    gemm_into(dy.t(), x, dw, 1.0, 0.0, 1, dtype="bf16")
+    assert _close(dw, dy.t(), x)
+    gemm_bf16_into(x.t(), dy, torch.empty(24, 40, dtype=torch.bfloat16), 1.0, 1)
+    gemm_into(dy.float().t(), x.float(), dw, 1.0, 0.0, 1)
+    assert met == [("TN", "bf16", True), ("TN", "bf16", False), ("TN", "fp32", False)]
+
+
+@pytest.mark.parametrize("c_fp32", [True, False])
+def test_a_bf16_race_times_atens_contender_into_the_calls_c(fresh, c_fp32):
+    """With c_fp32 every contender writes one fp32 C: autohc's kernel its fp32 sums, ATen's its
+    bf16 product cast (the weight gradient's way back to ATen); without, both a bf16 C."""
+    from autohc.kernels.gemm.kernel import default_kernel_params
+    from autohc.kernels.gemm.problem import GemmProblem
+    c_dtypes = []
+
+    def aten(a, b, out):
+        c_dtypes.append(out.dtype)
+        torch.mm(a, b, out=out)
+    t = first_use.Tuning(GemmProblem("first-use", "TN", 40, 96, 24), 1,
+                         default_kernel_params(1, dtype="bf16"), [], c_fp32=c_fp32)
+    first_use.set_aten_runner(aten)
+    try:
+        runs, out = first_use._contenders(t, {"default": t.default}, torch.bfloat16)
+    finally:
+        first_use.set_aten_runner(None)
+    assert sorted(runs) == ["aten", "default"] and out.dtype == (torch.float32 if c_fp32 else torch.bfloat16)
+    a, b = t.problem.operands(seed=1, dtype=torch.bfloat16)
+    runs["default"]()
+    ours = out.clone()
+    if c_fp32:
+        assert _close(ours, a, b)
+    assert c_fp32 is not torch.equal(ours, ours.bfloat16().to(out.dtype))   # fp32 sums, not rounded
+    runs["aten"]()
+    assert c_dtypes == [torch.bfloat16]             # ATen's mm wrote a bf16 C either way
+    assert torch.equal(out, torch.mm(a, b).to(out.dtype))
+
+
+def test_a_race_into_an_fp32_c_is_recorded_and_shown(fresh, monkeypatch):
+    """The entry of a race run into an fp32 C says so, and so does `autohc info`'s line, since
+    its torch_gflops is then ATen's product with the cast."""
+    from autohc.bench import timing
+    from autohc.cli.kernels import _first_use_entries
+    from autohc.kernels.gemm.kernel import default_kernel_params
+    from autohc.kernels.gemm.problem import GemmProblem
+    monkeypatch.setattr(first_use.timing, "interleaved",
+                        lambda fns, **kw: {k: timing.Timing(1e-3, 0.01) for k in fns})
+    first_use.set_aten_runner(lambda a, b, out: torch.mm(a, b, out=out))
+    try:
+        for c_fp32, n in ((True, 24), (False, 32)):
+            t = first_use.Tuning(GemmProblem("first-use", "TN", 40, 96, n), 1,
+                                 default_kernel_params(1, dtype="bf16"), [], c_fp32=c_fp32)
+            first_use._race(t)
+            assert t.state == "done" and not t.aten
+    finally:
+        first_use.set_aten_runner(None)
+    entries = registry.entries_for_this_cpu("gemm")
+    assert [e.get("c_fp32", False) for _, e in sorted(entries.items(), key=lambda kv: kv[1]["N"])] == [True, False]
+    lines = _first_use_entries(registry)
+    assert [("raced into an fp32 C" in line) for line in sorted(lines, key=lambda s: "/N32/" in s)] == [True, False]

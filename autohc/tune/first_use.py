@@ -79,6 +79,7 @@ class Tuning:
     built: list[GemmParams] = field(default_factory=list)
     chosen: GemmParams | None = None
     aten: bool = False                  # ATen's own kernel won the race (install() leaves it ATen's)
+    c_fp32: bool = False                # bf16 products into an fp32 C (autocast's weight gradients)
     build_s: float = 0.0
     race_s: float = 0.0
     note: str = ""
@@ -158,18 +159,19 @@ def _build(t: Tuning) -> None:
     t.state = "ready"
 
 
-def on_miss(layout: str, M: int, K: int, N: int, threads: int,
-            dtype: str = "fp32") -> tuple[GemmParams | None, bool]:
+def on_miss(layout: str, M: int, K: int, N: int, threads: int, dtype: str = "fp32",
+            c_fp32: bool = False) -> tuple[GemmParams | None, bool]:
     """The registry had nothing for this problem: None (run the default) while its tuning is
     under way, the winner from the call that finishes it on; and whether that answer is
-    settled (the tuning ended or was skipped: the matmul remembers it)."""
+    settled (the tuning ended or was skipped: the matmul remembers it). c_fp32: the call
+    that met it writes bf16 products into an fp32 C, which its race then times."""
     if getattr(_busy, "on", False):
         return None, False
     key = GEMM.problem_key(layout, K, N, M, threads, dtype)
     with _lock:
         t = _tunings.get(key)
         if t is None:
-            t = _tunings[key] = _start(layout, M, K, N, threads, dtype)
+            t = _tunings[key] = _start(layout, M, K, N, threads, dtype, c_fp32)
             return None, t.state == "skipped"
     _race_if_ready(t)
     return t.chosen, t.state in ("done", "skipped", "failed")
@@ -206,11 +208,12 @@ def _skinny_candidates(problem: GemmProblem, default: GemmParams) -> list[GemmPa
     return [dataclasses.replace(default, skinny_unit=other).validate()] if other else []
 
 
-def _start(layout: str, M: int, K: int, N: int, threads: int, dtype: str) -> Tuning:
+def _start(layout: str, M: int, K: int, N: int, threads: int, dtype: str, c_fp32: bool = False) -> Tuning:
     default = default_kernel_params(threads, dtype=dtype)
     problem = GemmProblem("first-use", layout, M, K, N)
     skinny = _skinny_candidates(problem, default)
-    t = Tuning(problem, threads, default, skinny or _candidates(default.isa, default))
+    t = Tuning(problem, threads, default, skinny or _candidates(default.isa, default),
+               c_fp32=c_fp32 and dtype == "bf16")
     if not skinny and (problem.flops < MIN_FLOPS or min(M, N) <= default.skinny_m or not t.candidates):
         if _aten_runner is None or problem.flops <= 0:
             t.state, t.note = "skipped", "too small to gain from tuning" if t.candidates else "no candidates"
@@ -230,6 +233,32 @@ def racer(runs: dict) -> Callable[[list[str]], dict]:
                                             max_seconds=budget_s())
 
 
+def _contenders(t: Tuning, finalists: dict[str, GemmParams],
+                dtype) -> tuple[dict[str, Callable[[], object]], torch.Tensor]:
+    """The race's runs, and the one C they all write, on the problem's own operands (bfloat16
+    where `dtype` is, else float32): each finalist, and ATen's own kernel where install() gave
+    one. The C has the form of the call that met the problem: bf16 products go into a bf16 C,
+    as install() writes under autocast (with K past one panel it costs fp32 partial sums that
+    an fp32 C does not), or with c_fp32 into an fp32 C (autocast's weight gradients), which
+    ATen's contender fills as their way back to ATen does (torch/autocast.py: a bf16 product,
+    then the cast). Raced into a bf16 C, ATen could win a problem that the cast then made
+    slower (docs/history.md, stop 67)."""
+    a, b = t.problem.operands(seed=1, dtype=dtype)
+    out = torch.empty(a.shape[0], b.shape[1], dtype=torch.float32 if t.c_fp32 else dtype or torch.float32)
+    runs = {k: (lambda p=p: gemm_matmul.matmul(a, b, out=out, params=p)) for k, p in finalists.items()}
+    aten = _aten_runner
+    if aten is not None and out.dtype != a.dtype:
+        c16 = torch.empty(out.shape, dtype=a.dtype)
+
+        def rounded():
+            aten(a, b, c16)
+            out.copy_(c16)
+        runs["aten"] = rounded
+    elif aten is not None:              # ATen's own kernel, into the same C
+        runs["aten"] = lambda: aten(a, b, out)
+    return runs, out
+
+
 def _race(t: Tuning) -> None:
     t0 = time.perf_counter()
     _busy.on = True
@@ -243,15 +272,7 @@ def _race(t: Tuning) -> None:
                 t.note += f"candidate {p.symbol} failed verification: {e}; "
                 continue
             finalists[f"candidate {i}"] = p
-        a, b = t.problem.operands(seed=1, dtype=verify.dtype)
-        # bf16: into a bf16 C, as install() writes under autocast (with K past one panel a
-        # bf16 C costs fp32 partial sums that an fp32 C does not)
-        out = torch.empty(a.shape[0], b.shape[1], dtype=verify.dtype or torch.float32)
-        runs = {k: (lambda p=p: gemm_matmul.matmul(a, b, out=out, params=p)) for k, p in finalists.items()}
-        aten = _aten_runner
-        if aten is not None:            # ATen's own kernel, into the same C
-            runs["aten"] = lambda: aten(a, b, out)
-
+        runs, _ = _contenders(t, finalists, verify.dtype)
         race = racer(runs)
         first = race(list(runs))
         # autohc's kernel: the default unless a candidate beats it clearly, twice
@@ -269,7 +290,7 @@ def _race(t: Tuning) -> None:
                     source="first-use", default_gflops=round(gf["default"], 2),
                     default_kept=ours == "default", aten_faster=t.aten,
                     candidates=len(finalists) - 1, build_s=round(t.build_s, 2),
-                    race_s=round(t.race_s, 2))
+                    race_s=round(t.race_s, 2), **({"c_fp32": True} if t.c_fp32 else {}))
     t.state = "done"
 
 

@@ -32,10 +32,11 @@ except ImportError:  # pragma: no cover
     torch = None
 
 
-# Called with (layout, M, K, N, threads, dtype) of a Linear problem the registry has no entry for;
-# answers (the parameters to run or None for the default, settled): settled where that answer
-# holds for the rest of the process (the problem's tuning ended or was skipped), so that it can
-# be remembered. Set by tune/first_use.enable().
+# Called with (layout, M, K, N, threads, dtype, c_fp32) of a Linear problem the registry has no
+# entry for (c_fp32: bf16 products into an fp32 C, as autocast's weight gradients); answers (the
+# parameters to run or None for the default, settled): settled where that answer holds for the
+# rest of the process (the problem's tuning ended or was skipped), so that it can be remembered.
+# Set by tune/first_use.enable().
 _registry_miss_hook = None
 
 # The choice of every problem met, for the registry state and hook it was made under: this runs
@@ -57,11 +58,12 @@ def forget_choices() -> None:
     _choices["registry"] = None
 
 
-def tuned_params(m: int, k: int, n: int, sa, sb, threads: int, dtype: str = "fp32") -> GemmParams:
+def tuned_params(m: int, k: int, n: int, sa, sb, threads: int, dtype: str = "fp32",
+                 c_fp32: bool = False) -> GemmParams:
     """The registry's configuration for this problem on this CPU, else (first-use tuning's
     pick, when it is on, or) the default one; with CFTP on (runtime/cftp.py), its thread
     geometry splits N across the clusters."""
-    return cftp.geometry(_choice(m, k, n, sa, sb, threads, dtype)[0])
+    return cftp.geometry(_choice(m, k, n, sa, sb, threads, dtype, c_fp32)[0])
 
 
 class AtenFaster(Exception):
@@ -70,23 +72,26 @@ class AtenFaster(Exception):
     registry entry, of this M's bucket, says so): the caller runs ATen's instead."""
 
 
-def _override_params(A: "_Operand", B: "_Operand", threads: int, dtype: str) -> GemmParams:
+def _override_params(A: "_Operand", B: "_Operand", threads: int, dtype: str,
+                     c_fp32: bool = False) -> GemmParams:
     """tuned_params for the torch override, or AtenFaster (one choice per call: it runs on
     every GEMM)."""
-    params, aten = _choice(A.shape[0], A.shape[1], B.shape[1], A.strides, B.strides, threads, dtype)
+    params, aten = _choice(A.shape[0], A.shape[1], B.shape[1], A.strides, B.strides, threads, dtype,
+                           c_fp32)
     if aten:
         raise AtenFaster(f"{A.shape[0]}x{A.shape[1]}x{B.shape[1]} {dtype}")
     return cftp.geometry(params)
 
 
-def _choice(m: int, k: int, n: int, sa, sb, threads: int, dtype: str) -> tuple[GemmParams, bool]:
+def _choice(m: int, k: int, n: int, sa, sb, threads: int, dtype: str,
+            c_fp32: bool = False) -> tuple[GemmParams, bool]:
     state, hook = registry.memo(), _registry_miss_hook
     if _choices["registry"] is not state or _choices["hook"] is not hook:
         _choices.update(registry=state, hook=hook, params={})
     key = (registry.layout_of(sa[0], sa[1], sb[0], sb[1]), m, k, n, threads, dtype)
     choice = _choices["params"].get(key)
     if choice is None:
-        params, aten, settled = _chosen_params(m, k, n, sa, sb, threads, dtype, hook)
+        params, aten, settled = _chosen_params(m, k, n, sa, sb, threads, dtype, hook, c_fp32)
         choice = (params, aten)
         if settled:
             if len(_choices["params"]) >= MAX_CHOICES:     # (shapes that keep changing)
@@ -96,7 +101,7 @@ def _choice(m: int, k: int, n: int, sa, sb, threads: int, dtype: str) -> tuple[G
 
 
 def _chosen_params(m: int, k: int, n: int, sa, sb, threads: int, dtype: str,
-                   hook) -> tuple[GemmParams, bool, bool]:
+                   hook, c_fp32: bool = False) -> tuple[GemmParams, bool, bool]:
     """The parameters, whether ATen runs the problem instead, and whether the two hold until
     the registry or the hook changes."""
     layout = registry.layout_of(sa[0], sa[1], sb[0], sb[1])
@@ -108,7 +113,7 @@ def _chosen_params(m: int, k: int, n: int, sa, sb, threads: int, dtype: str,
             aten = bool(entry.get("aten_faster")) and m_bucket(entry.get("M", 0)) == m_bucket(M)
             return hit[0], aten, True
         if hook is not None:
-            chosen, settled = hook(layout, M, K, N, threads, dtype)
+            chosen, settled = hook(layout, M, K, N, threads, dtype, c_fp32)
             return chosen or default_kernel_params(threads, dtype=dtype), False, settled
     return default_kernel_params(threads, dtype=dtype), False, True
 
@@ -310,7 +315,7 @@ def gemm_into(a, b, out, alpha: float, beta: float, threads: int, bias=None, dty
     packing) into the float32 out (a weight's gradient under autocast)."""
     A, B = operand_raw(a), operand_raw(b)
     return _run("torch", a, b, out, A, B, operand_raw(out), alpha, beta, threads,
-                _override_params(A, B, threads, dtype), bias, dtype)
+                _override_params(A, B, threads, dtype, c_fp32=dtype == "bf16"), bias, dtype)
 
 
 def bmm_into(a, b, out, alpha: float, beta: float, threads: int):
@@ -398,7 +403,8 @@ def _run(kind, a, b, out, A, B, C, alpha, beta, threads, params, bias=None, dtyp
     A, B = _apart(kind, a, b, A, B, C)
 
     if params is None:
-        params = tuned_params(M, K, N, A.strides, B.strides, threads, dtype)
+        params = tuned_params(M, K, N, A.strides, B.strides, threads, dtype,
+                              c_fp32=dtype == "bf16")     # (an fp32 C: out, or a bf16 out's sums)
     kernel = get_kernel(params)
     in_f32 = int(A.f32) | int(B.f32) << 1      # (bf16 kernels: which inputs are fp32)
     if C.strides[1] == 1 or N == 1:
