@@ -533,3 +533,33 @@ def test_a_race_into_an_fp32_c_is_recorded_and_shown(fresh, monkeypatch):
     assert [e.get("c_fp32", False) for _, e in sorted(entries.items(), key=lambda kv: kv[1]["N"])] == [True, False]
     lines = _first_use_entries(registry)
     assert [("raced into an fp32 C" in line) for line in sorted(lines, key=lambda s: "/N32/" in s)] == [True, False]
+
+
+def test_an_older_entry_giving_atens_uncast_product_a_weight_gradient_is_raced_again(fresh):
+    """An entry raced before races knew the caller's C (no c_fp32 field) that gave a bf16 TN
+    problem to ATen is raced again when an fp32-C call (a weight gradient) meets it; a bf16-C
+    call keeps it, and so does every call once the entry says which C it timed."""
+    from autohc.kernels.gemm import matmul as gm
+    from autohc.kernels.gemm.kernel import default_kernel_params
+    asked = []
+
+    def hook(layout, M, K, N, threads, dtype, c_fp32):
+        asked.append(c_fp32)
+        return None, True
+    bf16 = default_kernel_params(1, dtype="bf16")
+    old = registry.record("gemm", "TN", 384, 1152, 2048, 1, bf16, 100.0, 110.0, source="first-use",
+                          default_gflops=100.0, default_kept=True, aten_faster=True)
+    assert "c_fp32" not in old
+    sa, sb = (1, 1152), (384, 1)                     # dYᵀ (column-major), X: Linear M 2048, K 384, N 1152
+    at = lambda c_fp32: gm._choice(1152, 2048, 384, sa, sb, 1, "bf16", c_fp32)   # noqa: E731
+    try:
+        gm.set_registry_miss_hook(hook)
+        assert at(False) == (bf16, True) and asked == []           # ATen's, as recorded
+        assert at(True) == (bf16, False) and asked == [True]       # raced again (the hook)
+        for c in (True, False):
+            registry.record("gemm", "TN", 384, 1152, 2048, 1, bf16, 100.0, 110.0, source="first-use",
+                            default_gflops=100.0, default_kept=True, aten_faster=True, c_fp32=c)
+            assert at(True) == (bf16, True) and at(False) == (bf16, True)
+        assert asked == [True]
+    finally:
+        gm.set_registry_miss_hook(None)

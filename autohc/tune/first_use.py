@@ -290,7 +290,7 @@ def _race(t: Tuning) -> None:
                     source="first-use", default_gflops=round(gf["default"], 2),
                     default_kept=ours == "default", aten_faster=t.aten,
                     candidates=len(finalists) - 1, build_s=round(t.build_s, 2),
-                    race_s=round(t.race_s, 2), **({"c_fp32": True} if t.c_fp32 else {}))
+                    race_s=round(t.race_s, 2), **({"c_fp32": t.c_fp32} if t.default.dtype == "bf16" else {}))
     t.state = "done"
 
 

@@ -88,7 +88,7 @@ def _choice(m: int, k: int, n: int, sa, sb, threads: int, dtype: str,
     state, hook = registry.memo(), _registry_miss_hook
     if _choices["registry"] is not state or _choices["hook"] is not hook:
         _choices.update(registry=state, hook=hook, params={})
-    key = (registry.layout_of(sa[0], sa[1], sb[0], sb[1]), m, k, n, threads, dtype)
+    key = (registry.layout_of(sa[0], sa[1], sb[0], sb[1]), m, k, n, threads, dtype, c_fp32)
     choice = _choices["params"].get(key)
     if choice is None:
         params, aten, settled = _chosen_params(m, k, n, sa, sb, threads, dtype, hook, c_fp32)
@@ -108,7 +108,8 @@ def _chosen_params(m: int, k: int, n: int, sa, sb, threads: int, dtype: str,
     if layout is not None:              # (no registry file: lookup answers None)
         M, K, N = registry.linear_dims(layout, m, k, n)
         hit = registry.lookup("gemm", layout, K, N, M, threads, dtype=dtype)
-        if hit is not None and not outdated_default(hit, threads) and not _drops_skinny_paths(hit[0], M, threads):
+        if (hit is not None and not outdated_default(hit, threads) and not _drops_skinny_paths(hit[0], M, threads)
+                and not _aten_raced_without_the_cast(hit, c_fp32)):
             entry = hit[1]              # (ATen's win holds for its own M bucket only)
             aten = bool(entry.get("aten_faster")) and m_bucket(entry.get("M", 0)) == m_bucket(M)
             return hit[0], aten, True
@@ -123,6 +124,16 @@ def _drops_skinny_paths(params: GemmParams, M: int, threads: int) -> bool:
     would take in the default kernel (skinny_m: tuned large-M entries and first-use candidates
     leave them out): the default runs instead of the packed path on a few rows."""
     return params.skinny_m < M <= default_kernel_params(threads, dtype=params.dtype).skinny_m
+
+
+def _aten_raced_without_the_cast(hit, c_fp32: bool) -> bool:
+    """A first-use entry from before races knew the caller's C (no `c_fp32` field) that gave
+    ATen a bf16 problem which this call writes into an fp32 C (autocast's weight gradient):
+    that race timed ATen without the cast into dW that the way back to ATen adds, so the
+    problem is raced again (and the new entry says which C it timed)."""
+    params, entry = hit
+    return (c_fp32 and params.dtype == "bf16" and entry.get("source") == "first-use"
+            and bool(entry.get("aten_faster")) and "c_fp32" not in entry)
 
 
 def outdated_default(hit, threads: int) -> bool:
