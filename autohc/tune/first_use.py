@@ -208,7 +208,8 @@ def _skinny_candidates(problem: GemmProblem, default: GemmParams) -> list[GemmPa
     return [dataclasses.replace(default, skinny_unit=other).validate()] if other else []
 
 
-def _start(layout: str, M: int, K: int, N: int, threads: int, dtype: str, c_fp32: bool = False) -> Tuning:
+def _start(layout: str, M: int, K: int, N: int, threads: int, dtype: str,
+           c_fp32: bool = False) -> Tuning:
     default = default_kernel_params(threads, dtype=dtype)
     problem = GemmProblem("first-use", layout, M, K, N)
     skinny = _skinny_candidates(problem, default)
@@ -234,7 +235,7 @@ def racer(runs: dict) -> Callable[[list[str]], dict]:
 
 
 def _contenders(t: Tuning, finalists: dict[str, GemmParams],
-                dtype) -> tuple[dict[str, Callable[[], object]], torch.Tensor]:
+                dtype: torch.dtype | None) -> tuple[dict[str, Callable[[], object]], torch.Tensor]:
     """The race's runs, and the one C they all write, on the problem's own operands (bfloat16
     where `dtype` is, else float32): each finalist, and ATen's own kernel where install() gave
     one. The C has the form of the call that met the problem: bf16 products go into a bf16 C,
