@@ -538,7 +538,8 @@ def test_a_race_into_an_fp32_c_is_recorded_and_shown(fresh, monkeypatch):
 def test_an_older_entry_giving_atens_uncast_product_a_weight_gradient_is_raced_again(fresh):
     """An entry raced before races knew the caller's C (no c_fp32 field) that gave a bf16 TN
     problem to ATen is raced again when an fp32-C call (a weight gradient) meets it; a bf16-C
-    call keeps it, and so does every call once the entry says which C it timed."""
+    call keeps it, and so does every call once the entry says which C it timed, or where
+    first-use tuning is off."""
     from autohc.kernels.gemm import matmul as gm
     from autohc.kernels.gemm.kernel import default_kernel_params
     asked = []
@@ -561,5 +562,9 @@ def test_an_older_entry_giving_atens_uncast_product_a_weight_gradient_is_raced_a
                             default_gflops=100.0, default_kept=True, aten_faster=True, c_fp32=c)
             assert at(True) == (bf16, True) and at(False) == (bf16, True)
         assert asked == [True]
+        gm.set_registry_miss_hook(None)                 # first-use tuning off: the entry stands
+        registry.record("gemm", "TN", 384, 1152, 2048, 1, bf16, 100.0, 110.0, source="first-use",
+                        default_gflops=100.0, default_kept=True, aten_faster=True)
+        assert at(True) == (bf16, True)
     finally:
         gm.set_registry_miss_hook(None)

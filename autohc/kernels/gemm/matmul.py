@@ -109,7 +109,7 @@ def _chosen_params(m: int, k: int, n: int, sa, sb, threads: int, dtype: str,
         M, K, N = registry.linear_dims(layout, m, k, n)
         hit = registry.lookup("gemm", layout, K, N, M, threads, dtype=dtype)
         if (hit is not None and not outdated_default(hit, threads) and not _drops_skinny_paths(hit[0], M, threads)
-                and not _aten_raced_without_the_cast(hit, c_fp32)):
+                and (hook is None or not _aten_raced_without_the_cast(hit, c_fp32))):
             entry = hit[1]              # (ATen's win holds for its own M bucket only)
             aten = bool(entry.get("aten_faster")) and m_bucket(entry.get("M", 0)) == m_bucket(M)
             return hit[0], aten, True
@@ -130,7 +130,8 @@ def _aten_raced_without_the_cast(hit, c_fp32: bool) -> bool:
     """A first-use entry from before races knew the caller's C (no `c_fp32` field) that gave
     ATen a bf16 problem which this call writes into an fp32 C (autocast's weight gradient):
     that race timed ATen without the cast into dW that the way back to ATen adds, so the
-    problem is raced again (and the new entry says which C it timed)."""
+    problem is raced again where first-use tuning is on (and the new entry says which C it
+    timed); with it off the entry stands."""
     params, entry = hit
     return (c_fp32 and params.dtype == "bf16" and entry.get("source") == "first-use"
             and bool(entry.get("aten_faster")) and "c_fp32" not in entry)
