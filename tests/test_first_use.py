@@ -456,15 +456,10 @@ def test_aten_is_kept_only_where_it_wins_the_race_and_the_one_after(fresh, monke
     assert entry["aten_faster"] is want
 
 
-def test_the_call_that_meets_a_bf16_problem_says_whether_its_c_is_fp32(fresh, monkeypatch):
-    """autocast's weight gradient (gemm_into, bf16 products into an fp32 dW) starts its
-    problem's tuning as c_fp32; a bf16 C (gemm_bf16_into: the forward and dX) and an fp32
-    problem do not."""
+def _record_what_starts_a_tuning(monkeypatch) -> list:
+    """(layout, dtype, c_fp32) of each tuning started from here on; none runs (skipped)."""
     from autohc.kernels.gemm.kernel import default_kernel_params
-    from autohc.kernels.gemm.kernel import KernelError
-    from autohc.kernels.gemm.matmul import gemm_bf16_into, gemm_into
     from autohc.kernels.gemm.problem import GemmProblem
-    from autohc.kernels.isa import BF16_ISAS
     met = []
 
     def start(layout, M, K, N, threads, dtype, c_fp32=False):
@@ -472,6 +467,17 @@ def test_the_call_that_meets_a_bf16_problem_says_whether_its_c_is_fp32(fresh, mo
         return first_use.Tuning(GemmProblem("first-use", layout, M, K, N), threads,
                                 default_kernel_params(threads, dtype=dtype), [], state="skipped")
     monkeypatch.setattr(first_use, "_start", start)
+    return met
+
+
+def test_the_call_that_meets_a_bf16_problem_says_whether_its_c_is_fp32(fresh, monkeypatch):
+    """autocast's weight gradient (gemm_into, bf16 products into an fp32 dW) starts its
+    problem's tuning as c_fp32; a bf16 C (gemm_bf16_into: the forward and dX) and an fp32
+    problem do not."""
+    from autohc.kernels.gemm.kernel import KernelError, default_kernel_params
+    from autohc.kernels.gemm.matmul import gemm_bf16_into, gemm_into
+    from autohc.kernels.isa import BF16_ISAS
+    met = _record_what_starts_a_tuning(monkeypatch)
     first_use.enable()
     g = torch.Generator().manual_seed(11)
     dy, x = torch.randn(96, 40, generator=g).bfloat16(), torch.randn(96, 24, generator=g).bfloat16()
@@ -484,6 +490,21 @@ def test_the_call_that_meets_a_bf16_problem_says_whether_its_c_is_fp32(fresh, mo
         assert default_kernel_params(1, dtype="bf16").isa not in BF16_ISAS
     gemm_into(dy.float().t(), x.float(), dw, 1.0, 0.0, 1)
     assert met == [("TN", "bf16", True), ("TN", "bf16", False), ("TN", "fp32", False)]
+
+
+def test_bench_gemm_races_a_bf16_problem_as_training_meets_it(fresh, monkeypatch):
+    """`autohc bench gemm`'s first-use race of a bf16 weight gradient (TN) times the fp32 dW
+    that training writes (its entry then serves training as is); the forward, dX and fp32
+    problems race their own C."""
+    from autohc.bench import gemm as bench
+    from autohc.kernels.gemm.problem import GemmProblem
+    met = _record_what_starts_a_tuning(monkeypatch)
+    first_use.enable()
+    for layout, dtype in (("TN", "bf16"), ("NT", "bf16"), ("NN", "bf16"), ("TN", "fp32")):
+        row = bench.bench_problem(GemmProblem("t", layout, 64, 48, 40), 1, repeats=1, dtype=dtype,
+                                  with_numpy=False, target_seconds=0.01)
+        assert row.gflops > 0 and row.torch_gflops > 0
+    assert met == [("TN", "bf16", True), ("NT", "bf16", False), ("NN", "bf16", False), ("TN", "fp32", False)]
 
 
 @pytest.mark.parametrize("c_fp32", [True, False])

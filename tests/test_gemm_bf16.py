@@ -715,6 +715,46 @@ def test_tune_bf16_records_a_bf16_entry_that_matmul_runs(tmp_path, monkeypatch):
     x, w = prob.operands(0, torch.bfloat16)
     assert tuned_params(96, 64, 80, x.stride(), w.stride(), 1, "bf16") == r.params
     assert tuned_params(96, 64, 80, x.stride(), w.stride(), 1).dtype == "fp32"
+    entry = registry.lookup("gemm", "NT", 64, 80, 96, 1, exact=True, dtype="bf16")[1]
+    assert entry["c_fp32"] is False                 # the forward writes a bf16 C
+    registry.forget()
+
+
+@needs_bf16_unit
+def test_tune_bf16_races_a_weight_gradient_into_its_fp32_dw(tmp_path, monkeypatch):
+    """A bf16 TN problem (the weight gradient) is tuned in the form training runs it: every
+    candidate writes the fp32 dW (fp32 sums of bf16 products), and torch's contender is its
+    bf16 product cast into that dW, as stock autocast runs it; the entry says so."""
+    from autohc.kernels.gemm.problem import GemmProblem
+    from autohc.tune import gemm as tuner
+    monkeypatch.setenv("AUTOHC_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("AUTOHC_REGISTRY", raising=False)
+    registry.forget()
+    prob = GemmProblem("t", "TN", 96, 64, 80)
+    assert prob.c_fp32("bf16") and not prob.c_fp32("fp32")
+    assert not any(GemmProblem("t", lay, 96, 64, 80).c_fp32("bf16") for lay in ("NT", "NN"))
+    outs, real = [], tuner.matmul
+    monkeypatch.setattr(tuner, "matmul", lambda a, b, out, params: outs.append(out) or real(a, b, out=out, params=params))
+    got = {}
+
+    def race(runs, baseline, **kw):                 # run each contender once, keep its C
+        for k, fn in {**runs, "baseline": baseline}.items():
+            fn()
+            got[k] = outs[0].clone()
+        return {}
+    monkeypatch.setattr(tuner.pipeline, "race", race)
+    tuner._against_torch(prob, {"default": default_params(cpu.bf16_isa()[0], 1, dtype="bf16")}, 1)
+    a, b = prob.operands(0, torch.bfloat16)
+    ref = a.double() @ b.double()
+    assert got["default"].dtype == got["baseline"].dtype == torch.float32
+    assert torch.equal(got["baseline"], torch.matmul(a, b).float())         # torch's product, cast
+    assert not torch.equal(got["default"], got["default"].bfloat16().float())  # fp32 sums, not rounded
+    assert (got["default"].double() - ref).abs().max() < 1e-4 * 64 * ref.abs().max()
+    monkeypatch.undo()
+    monkeypatch.setenv("AUTOHC_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("AUTOHC_REGISTRY", raising=False)
+    tuner.tune_problem(prob, 1, trials=1, timeout=120, dtype="bf16")
+    assert registry.lookup("gemm", "TN", 64, 80, 96, 1, exact=True, dtype="bf16")[1]["c_fp32"] is True
     registry.forget()
 
 

@@ -93,7 +93,8 @@ def bench_problem(p: GemmProblem, threads: int, *, repeats: int = 7, params: Gem
     if params is None:      # what autohc.matmul runs: the registry's config, else the default
         if first_use.enabled() and \
                 registry.lookup("gemm", p.layout, p.K, p.N, p.M, threads, dtype=dtype) is None:
-            t = first_use.finish(p.layout, p.M, p.K, p.N, threads, dtype)   # as a first call would
+            # as a first call in training would (a bf16 weight gradient: into its fp32 dW)
+            t = first_use.finish(p.layout, p.M, p.K, p.N, threads, dtype, p.c_fp32(dtype))
             tuning_s = t.build_s + t.race_s if t is not None else 0.0
         run_params = tuned_params(M, K, N, a.stride(), b.stride(), threads, dtype)
         hit = registry.lookup("gemm", p.layout, p.K, p.N, p.M, threads, dtype=dtype)

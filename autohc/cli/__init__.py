@@ -146,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                       help="bf16: the bf16 kernels (bf16 products, fp32 sums) on this CPU's bf16 "
                            "back-end (AMX tiles, else AVX512_BF16; `autohc info` says which), "
-                           "raced against torch's bf16 matmul (oneDNN); default fp32")
+                           "raced against torch's bf16 matmul (oneDNN) in the form training "
+                           "runs: NT and NN write a bf16 C, TN (the weight gradient) the fp32 dW, "
+                           "where torch's product is cast into it; default fp32")
     tune.add_argument("--json", action="store_true", help="one JSON object per problem")
     tune.add_argument("--images", type=positive_int, default=8,
                       help="with --op: DiT-XL/2 tensors for this many images, and for adamw 8M "

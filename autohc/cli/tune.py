@@ -77,7 +77,8 @@ def cmd_tune(args, parser) -> int:
         return 0
     peak = peak_per_core * threads
     t = Table(title=f"tuned {args.dtype} GEMMs, {threads} thread(s), {isa}"
-                    + (" (torch: its bf16 matmul, oneDNN)" if args.dtype == "bf16" else ""))
+                    + (" (torch: its bf16 matmul, oneDNN; TN into an fp32 dW, torch's product"
+                       " cast into it)" if args.dtype == "bf16" else ""))
     for col in ("GEMM", "layout", "M", "K", "N", "MRxNR", "KC/MC/NC", "JCxICxJR ways", "depth",
                 "GFLOP/s", "% peak", "torch", "x torch", "trials", "source"):
         t.add_column(col, justify="left" if col in ("GEMM", "layout", "source") else "right")

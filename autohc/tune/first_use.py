@@ -321,13 +321,15 @@ def finish_pending() -> float:
     return time.perf_counter() - t0
 
 
-def finish(layout: str, M: int, K: int, N: int, threads: int, dtype: str = "fp32") -> Tuning | None:
+def finish(layout: str, M: int, K: int, N: int, threads: int, dtype: str = "fp32",
+           c_fp32: bool = False) -> Tuning | None:
     """This problem's first-use tuning, started if needed and run to the end now (what
-    `autohc bench gemm` times apart). None if first-use tuning is off."""
+    `autohc bench gemm` times apart), raced into an fp32 C where c_fp32 (on_miss). None if
+    first-use tuning is off."""
     if not _enabled:
         return None
     key = GEMM.problem_key(layout, K, N, M, threads, dtype)
     if key not in tunings():
-        on_miss(layout, M, K, N, threads, dtype)
+        on_miss(layout, M, K, N, threads, dtype, c_fp32)
     finish_pending()
     return tunings()[key]

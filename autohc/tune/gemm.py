@@ -72,19 +72,26 @@ def study_name(p: GemmProblem, threads: int, isa: str) -> str:
 def _against_torch(problem: GemmProblem, candidates: dict[str, GemmParams], threads: int,
                    **race_kw) -> dict:
     """Each candidate's matmul and torch.matmul ("baseline") on the problem's operands, timed
-    side by side by the one protocol (pipeline.race) at `threads` for every library."""
-    bf16 = next(iter(candidates.values())).dtype == "bf16"
-    a, b = problem.operands(0, torch.bfloat16 if bf16 else None)
-    # bf16: both write a bf16 C (torch: oneDNN), as install() does under autocast
-    out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype)
+    side by side by the one protocol (pipeline.race) at `threads` for every library. bf16: C
+    in the form training writes it (GemmProblem.c_fp32): a bf16 C for the forward and dX, as
+    install() writes under autocast, and torch's is oneDNN's; an fp32 C for a weight
+    gradient, where torch's is oneDNN's bf16 product and then the cast into the fp32 dW, as
+    stock autocast runs it."""
+    dtype = next(iter(candidates.values())).dtype
+    a, b = problem.operands(0, torch.bfloat16 if dtype == "bf16" else None)
+    out = torch.empty(a.shape[0], b.shape[1], dtype=torch.float32 if problem.c_fp32(dtype) else a.dtype)
     base_out = torch.empty(out.shape, dtype=a.dtype)
+
+    def baseline():
+        torch.matmul(a, b, out=base_out)
+        if out.dtype != base_out.dtype:
+            out.copy_(base_out)
     for p in candidates.values():
         get_kernel(p)
     undo = set_blas_threads(threads)
     try:
         return pipeline.race({k: (lambda p=p: matmul(a, b, out=out, params=p))
-                              for k, p in candidates.items()},
-                             lambda: torch.matmul(a, b, out=base_out), **race_kw)
+                              for k, p in candidates.items()}, baseline, **race_kw)
     finally:
         undo()
 
@@ -163,7 +170,8 @@ def tune_problem(problem: GemmProblem, threads: int = 1, *, trials: int | None =
                         time.perf_counter() - t0, default_gflops=default_gflops)
     registry.record("gemm", problem.layout, problem.K, problem.N, problem.M, threads, params,
                     result.gflops, result.torch_gflops, trials=trials_done, study=name,
-                    storage=_redact(store.url), default_gflops=round(default_gflops, 2))
+                    storage=_redact(store.url), default_gflops=round(default_gflops, 2),
+                    **({"c_fp32": problem.c_fp32(dtype)} if dtype == "bf16" else {}))
     return result
 
 

@@ -43,6 +43,12 @@ class GemmProblem:
     def flops(self) -> int:
         return 2 * self.M * self.K * self.N
 
+    def c_fp32(self, dtype: str) -> bool:
+        """Whether training writes this problem's C in fp32 though its products are bf16: the
+        weight gradient (TN) under autocast goes into the fp32 dW (torch/autocast.py), while
+        the forward and dX write bf16. Tuning races a problem in this form."""
+        return dtype == "bf16" and self.layout == "TN"
+
     def operands(self, seed: int = 0, dtype=None):
         """(a, b) float32 (or `dtype`) torch views for the GEMM of this layout (transposes as
         strides)."""
