@@ -749,7 +749,8 @@ def test_tune_bf16_races_a_weight_gradient_into_its_fp32_dw(tmp_path, monkeypatc
     assert got["default"].dtype == got["baseline"].dtype == torch.float32
     assert torch.equal(got["baseline"], torch.matmul(a, b).float())         # torch's product, cast
     assert not torch.equal(got["default"], got["default"].bfloat16().float())  # fp32 sums, not rounded
-    assert (got["default"].double() - ref).abs().max() < 1e-4 * 64 * ref.abs().max()
+    k = prob.gemm_mkn[1]                            # (the tokens: TN's k)
+    assert (got["default"].double() - ref).abs().max() <= 2 * k * 2.0 ** -24 * (a.double().abs() @ b.double().abs()).max()
     monkeypatch.undo()
     monkeypatch.setenv("AUTOHC_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("AUTOHC_REGISTRY", raising=False)
