@@ -668,6 +668,42 @@ def test_autocast_linear_on_fp32_weights_trains_under_torch_compile():
 
 
 @pytest.mark.skipif(not BF16_HW, reason="no bf16 back-end on this CPU: autocast stays on oneDNN")
+def test_autocast_linear_results_come_from_the_result_pool(monkeypatch):
+    """y, dX and dW of a Linear under autocast are kernel results like the fp32 path's: blocks of
+    the result pool, so that a step's outputs land in pages written in the step before, not in
+    memory the kernel faults in page by page; the second step takes the first one's blocks."""
+    from autohc.runtime import memory
+    from autohc.torch import autocast
+    pool = memory.BufferPool(256 << 20)
+    monkeypatch.setattr(memory, "pool", pool)
+    torch.manual_seed(6)
+    lin = nn.Linear(512, 1024)            # y 1024 x 1024 bf16 2 MB, dX 1 MB, dW fp32 2 MB
+    x = torch.randn(1024, 512, requires_grad=True)
+
+    def step():
+        x.grad, lin.weight.grad, lin.bias.grad = None, None, None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = lin(x)
+        y.float().square().sum().backward()
+        return [t.clone() for t in (y.float(), x.grad, lin.weight.grad)]
+    ref = step()                                    # stock autocast
+    with autohc.installed():
+        first = step()                              # (copies: the step's own results die)
+        misses = pool.misses
+        assert misses >= 3 and pool.hits == 0       # y, dX, dW: new blocks
+        second = step()
+        assert pool.misses == misses and pool.hits >= 3
+    for a, b, r in zip(first, second, ref):
+        assert torch.equal(a, b)
+        assert ((a - r).abs().max() / r.abs().max()).item() < 2e-2
+    # the custom ops' contract holds for pool blocks (a bf16 result is a view of a float32 block)
+    xs, dy = x.detach().bfloat16(), torch.randn(1024, 1024).bfloat16()
+    torch.library.opcheck(autocast.linear_fp32w, (xs, lin.weight, lin.bias))
+    torch.library.opcheck(autocast.linear_fp32w_backward,
+                          (dy, xs, lin.weight.detach(), True, True, True))
+
+
+@pytest.mark.skipif(not BF16_HW, reason="no bf16 back-end on this CPU: autocast stays on oneDNN")
 def test_opcheck_on_the_autocast_linear_ops():
     from autohc.torch import autocast
     x = torch.randn(37, 70).bfloat16()

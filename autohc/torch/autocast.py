@@ -13,7 +13,9 @@ kernel (`autocast_linear`), which sends a Linear it serves to `autohc::linear_fp
 - backward: dX (bf16) = dY · W (NN, W rounded the same way); dW = dYᵀ · X written straight
   into an fp32 gradient (TN); db summed as stock sums it.
 The products are stock autocast's; dW skips stock's rounding to bf16 and the cast back, and
-the bias is added unrounded, so those are slightly closer to fp32 than stock's.
+the bias is added unrounded, so those are slightly closer to fp32 than stock's. y, dX and dW
+come from the result pool (runtime/memory.py), as the fp32 path's results do: from glibc they
+were often new pages that the kernel faulted in (docs/history.md, stop 69).
 
 Everything else (another autocast dtype, a CPU without a bf16 back-end, a weight or bias not
 float32, a 1-D input, products under the GEMMs' minimum) goes to autocast's own kernel,
@@ -26,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.gemm.matmul import gemm_bf16_into, gemm_into
+from ..runtime.memory import fresh_empty
 from . import fallback, served
 from .threads import kernel_threads
 
@@ -80,7 +83,7 @@ def _aten_linear(x, w, b):
 def linear_fp32w(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """y (bf16, M x N) = x (bf16, M x K) · wᵀ + b, w (N x K) and b (N) float32, rounded to bf16
     by the kernel while packing."""
-    y = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
+    y = fresh_empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
 
     def kernel():
         gemm_bf16_into(x, w.t(), y, 1.0, kernel_threads(), b, 1.0)
@@ -95,7 +98,7 @@ def _(x, w, b):
 
 def _dx(dy: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """dX (bf16) = dY · W, W float32 rounded while packed (NN)."""
-    dx = torch.empty(dy.shape[0], w.shape[1], dtype=torch.bfloat16)
+    dx = fresh_empty(dy.shape[0], w.shape[1], dtype=torch.bfloat16)
 
     def kernel():
         gemm_bf16_into(dy, w, dx, 1.0, kernel_threads())
@@ -106,7 +109,7 @@ def _dx(dy: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def _dw(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """dW (fp32) = dYᵀ · X, products of bf16 values summed in fp32 (TN)."""
-    dw = torch.empty(dy.shape[1], x.shape[1], dtype=torch.float32)
+    dw = fresh_empty(dy.shape[1], x.shape[1])
     kernel = lambda: served.by_autohc(gemm_into(dy.t(), x, dw, 1.0, 0.0, kernel_threads(), dtype="bf16"))
 
     def aten():                 # stock autocast's: a bf16 gradient, cast to fp32
