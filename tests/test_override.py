@@ -673,7 +673,6 @@ def test_autocast_linear_results_come_from_the_result_pool(monkeypatch):
     the result pool, so that a step's outputs land in pages written in the step before, not in
     memory the kernel faults in page by page; the second step takes the first one's blocks."""
     from autohc.runtime import memory
-    from autohc.torch import autocast
     pool = memory.BufferPool(256 << 20)
     monkeypatch.setattr(memory, "pool", pool)
     torch.manual_seed(6)
@@ -696,11 +695,6 @@ def test_autocast_linear_results_come_from_the_result_pool(monkeypatch):
     for a, b, r in zip(first, second, ref):
         assert torch.equal(a, b)
         assert ((a - r).abs().max() / r.abs().max()).item() < 2e-2
-    # the custom ops' contract holds for pool blocks (a bf16 result is a view of a float32 block)
-    xs, dy = x.detach().bfloat16(), torch.randn(1024, 1024).bfloat16()
-    torch.library.opcheck(autocast.linear_fp32w, (xs, lin.weight, lin.bias))
-    torch.library.opcheck(autocast.linear_fp32w_backward,
-                          (dy, xs, lin.weight.detach(), True, True, True))
 
 
 @pytest.mark.skipif(not BF16_HW, reason="no bf16 back-end on this CPU: autocast stays on oneDNN")
@@ -712,3 +706,9 @@ def test_opcheck_on_the_autocast_linear_ops():
     torch.library.opcheck(autocast.linear_fp32w, (x.requires_grad_(), w, None))
     dy = torch.randn(37, 45).bfloat16()
     torch.library.opcheck(autocast.linear_fp32w_backward, (dy, x.detach(), w.detach(), True, True, False))
+    # results of 1 MB and up are result-pool blocks (a bf16 one a view of a float32 block)
+    x = torch.randn(1024, 512).bfloat16()
+    w, b = torch.randn(1024, 512, requires_grad=True), torch.randn(1024, requires_grad=True)
+    torch.library.opcheck(autocast.linear_fp32w, (x, w, b))
+    dy = torch.randn(1024, 1024).bfloat16()
+    torch.library.opcheck(autocast.linear_fp32w_backward, (dy, x, w.detach(), True, True, True))
