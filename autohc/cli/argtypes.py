@@ -68,3 +68,12 @@ def output_dir(text: str) -> str:
 def output_file(text: str) -> str:
     """A file a command writes (its folder created if missing)."""
     return _writable_place(text, want_dir=False)
+
+
+def signal_name(text: str) -> int:
+    """A signal by name or number (TERM, USR1, SIGUSR2, 10)."""
+    from ..runtime.preempt import parse_signal
+    try:
+        return int(parse_signal(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
