@@ -16,7 +16,7 @@ from autohc.cli import main
 from autohc.dit import DiT, checkpoint
 from autohc.dit import data as datalib
 from autohc.dit.diffusion import GaussianDiffusion
-from autohc.dit.train import TrainConfig, Trainer
+from autohc.dit.train import ResumeError, TrainConfig, Trainer
 
 
 def tiny(**kw):
@@ -267,8 +267,16 @@ def test_resume_refuses_another_setup(tmp_path):
     Trainer(cfg(tmp_path, 3)).run(progress=False)
     with pytest.raises(ValueError, match="earlier run: pass --resume"):
         Trainer(cfg(tmp_path, 6))               # would mix two runs' checkpoints
-    with pytest.raises(ValueError, match="different setup: model 'DiT-Ti/8'"):
+    with pytest.raises(ResumeError, match="trained with --model 'DiT-Ti/8' \\(this command: 'DiT-Ti/4'\\)"):
         Trainer(cfg(tmp_path, 6, model="DiT-Ti/4", extra={"resume": True}))
+    with pytest.raises(ResumeError, match="--lr 0.001 \\(this command: 0.0001\\), --seed 0 \\(this command: 5\\)"):
+        Trainer(cfg(tmp_path, 6, lr=1e-4, seed=5, extra={"resume": "auto"}))
+    with pytest.raises(ResumeError, match="--resume never: .* is not empty"):
+        Trainer(cfg(tmp_path, 6, extra={"resume": "never"}))
+    (tmp_path / "new").mkdir()
+    assert Trainer(cfg(tmp_path / "new", 6, extra={"resume": "never"})).step == 0     # an empty folder
+    more = Trainer(cfg(tmp_path, 6, ckpt_every=5, extra={"resume": "auto"}))    # --steps and --ckpt-every may change
+    assert more.step == 3 and more.resumed_from.name == "ckpt-00000003.pt"
 
 
 def test_torn_checkpoint_is_skipped_with_a_warning(tmp_path, capsys):

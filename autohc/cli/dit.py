@@ -10,7 +10,7 @@ from pathlib import Path
 from ..bench.results import add_save_argument, recorder
 from ..dit.model import MODELS
 from .argtypes import (non_negative_int, output_dir, output_file, positive_float, positive_int,
-                       sampling_steps, unit_interval)
+                       sampling_steps, signal_name, unit_interval)
 
 # bench/step.py's MODES, spelled here so that parsing the command line does not import torch
 # (autohc train sets torch's OpenMP spin before torch loads); a test keeps the two equal
@@ -20,7 +20,7 @@ STEP_BF16_MODES = ("stock", "stock-bf16", "compiled-bf16", "autohc-bf16", "autoh
 
 TRAIN_EPILOG = """examples:
   autohc train --data digits --out runs/digits        # the laptop default: DiT-Ti/2, 2000 steps (time per CPU: docs/results.md)
-  autohc train --data digits --steps 4000 --out runs/digits --resume   # continue to 4000 steps
+  autohc train --data digits --steps 4000 --out runs/digits   # continue the same run to 4000 steps
   autohc train --model DiT-XL/2 --data npy:latents.npy --batch 8 --lr 1e-4 --out runs/xl
   autohc train --model DiT-S/2 --data folder:imgs/ --image-size 32 --no-autohc --out runs/s
   autohc train --data digits --precision auto --out runs/digits-bf16   # bf16 where the CPU has it
@@ -38,6 +38,12 @@ data:
   npy:PATH.npy    N x C x H x W (uint8 images, or float latents), labels in PATH.labels.npy
   synthetic       random data for benchmarks (--image-size, --channels)
   latents:DIR     latents written by autohc encode (memory-mapped; samples decoded by its VAE)
+on a batch cluster (docs/training.md has a Slurm script):
+  #SBATCH --signal=USR1@120 ... srun autohc train ... --requeue --out runs/xl
+  SIGTERM (time limit, scancel, preemption) or --stop-signal (default USR1): the step ends, one
+  checkpoint is written, exit 75; the same command continues (--resume auto, the default)
+exit codes: 0 done, 1 error, 2 bad input / another run's --out / checkpoint not written,
+  75 stopped by a signal (checkpoint written), 128+N a second signal N (exited at once)
 writes to --out: ckpt-<step>.pt (atomic; the last --keep kept), losses.csv, losses.png, samples.png"""
 
 
@@ -70,8 +76,9 @@ def add_parsers(sub, bsub) -> None:
                        help="train a class-conditional DiT (checkpoints, resume, samples)",
                        description="Trains a class-conditional DiT with the epsilon-MSE diffusion loss, AdamW and\n"
                                    "EMA, on autohc's tuned GEMMs and fused operators (--no-autohc: stock torch).\n"
-                                   "Shows loss, steps/s, images/s, GFLOP/s and peak RSS. --resume continues from\n"
-                                   "the newest checkpoint in --out, with losses bit-identical to an uninterrupted run.\n"
+                                   "Shows loss, steps/s, images/s, GFLOP/s and peak RSS. A run whose --out holds\n"
+                                   "checkpoints of the same settings continues from the newest, with losses\n"
+                                   "bit-identical to an uninterrupted run (--resume auto, the default).\n"
                                    "Data parallel when started by torchrun, mpirun or srun: --batch is the global batch.",
                        epilog=TRAIN_EPILOG)
     t.add_argument("--model", default=None, choices=list(MODELS), metavar="NAME",
@@ -87,7 +94,23 @@ def add_parsers(sub, bsub) -> None:
     t.add_argument("--batch", type=positive_int, default=64,
                    help="images per step, all ranks together (default: 64)")
     t.add_argument("--out", default="runs/dit", type=output_dir, help="run folder (default: runs/dit)")
-    t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    t.add_argument("--resume", nargs="?", const="auto", default="auto", choices=["auto", "never"],
+                   help="auto (default; also a bare --resume): continue from the newest checkpoint in "
+                        "--out when it was trained with the same settings (model, data, batch, lr, "
+                        "weight decay, EMA, seed, label dropout, precision; --steps may grow), a "
+                        "different one is an error naming the difference; never: a fresh run, only "
+                        "into a new or empty --out")
+    t.add_argument("--stop-signal", type=signal_name, default="USR1", metavar="SIG",
+                   help="besides SIGTERM, the signal that stops the run at the end of its step with a "
+                        "checkpoint and exit code 75 (default: USR1, for Slurm's --signal=USR1@SECONDS)")
+    t.add_argument("--requeue", action="store_true",
+                   help="on --stop-signal (not on SIGTERM: scancel, time limit), after the checkpoint, "
+                        "ask Slurm to requeue the job (scontrol requeue $SLURM_JOB_ID); the requeued job "
+                        "continues the run by itself")
+    t.add_argument("--on-ckpt-error", choices=["stop", "warn"], default="stop",
+                   help="a checkpoint that cannot be written (no space, quota, permissions, I/O): stop "
+                        "(default: one line, exit 2, the previous checkpoint intact) or warn and train "
+                        "on to the next one (the last one must be written either way)")
     t.add_argument("--no-autohc", action="store_true", help="stock torch kernels and torch.optim.AdamW")
     t.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "auto"],
                    help="fp32 (default), or bf16 mixed precision: the forward under "
@@ -276,9 +299,7 @@ def _train(args) -> int:
 
 def _train_in_group(args, launch) -> int:
     from ..dit import data as datalib
-    from ..dit.sample import plot_losses, save_grid
     from ..dit.train import TrainConfig, Trainer
-    from ..torch.threads import kernel_threads
     cfg = TrainConfig(model=args.model, data=args.data, steps=args.steps, batch=args.batch,
                       out=args.out, lr=args.lr, weight_decay=args.weight_decay, ema=args.ema,
                       ckpt_every=args.ckpt_every, keep=args.keep, seed=args.seed,
@@ -288,17 +309,30 @@ def _train_in_group(args, launch) -> int:
                       rank=launch.rank, world=launch.world,
                       comm="gloo" if args.no_comm_thread else "thread", log_every=args.log_every,
                       automem=args.automem, cftp=args.cftp, automem_state=args.automem_state,
-                      init=args.init, precision=args.precision, extra={"resume": args.resume})
-    if cfg.model is None and not (args.init or args.resume):
-        cfg.model = "DiT-Ti/2"
-    try:
-        trainer = Trainer(cfg)
-    except datalib.InputError as e:
-        print(f"autohc: {e}", file=sys.stderr)
-        return 2
-    except (datalib.DataError, ValueError) as e:
-        print(f"autohc: {e}", file=sys.stderr)
-        return 1
+                      init=args.init, precision=args.precision, stop_signal=args.stop_signal,
+                      requeue=args.requeue, on_ckpt_error=args.on_ckpt_error,
+                      extra={"resume": args.resume})
+    from ..runtime import preempt
+    # caught from here on: a signal while the data loads or kernels compile stops after step one
+    with preempt.StopSignals(preempt.stop_signals(args.stop_signal)) as stop:
+        try:
+            trainer = Trainer(cfg)
+        except datalib.InputError as e:
+            print(f"autohc: {e}", file=sys.stderr)
+            return 2
+        except (datalib.DataError, ValueError) as e:
+            print(f"autohc: {e}", file=sys.stderr)
+            return 1
+        trainer.stop = stop
+        return _run_trainer(trainer, args, launch)
+
+
+def _run_trainer(trainer, args, launch) -> int:
+    from ..dit import checkpoint
+    from ..dit.sample import plot_losses, save_grid
+    from ..runtime import preempt
+    from ..torch.threads import kernel_threads
+    cfg = trainer.cfg
     if launch.world > 1 and launch.rank == 0:
         print(f"autohc: data parallel over {launch.world} ranks ({launch.launcher}), global batch "
               f"{cfg.batch} = {cfg.batch // launch.world} per rank, gradient all-reduce "
@@ -307,12 +341,16 @@ def _train_in_group(args, launch) -> int:
                  f"core {trainer.comm_hook.core})"), file=sys.stderr)
     if launch.rank == 0:
         print(f"autohc: precision {trainer.precision}: {trainer.precision_why}", file=sys.stderr)
-    if trainer.resumed_from:
+    if trainer.resumed_from and launch.rank == 0:
         print(f"autohc: resuming from {trainer.resumed_from} (step {trainer.step})", file=sys.stderr)
     if trainer.step >= cfg.steps:
         print(f"autohc: {args.out} is already at step {trainer.step} >= --steps {cfg.steps}", file=sys.stderr)
     try:
         summary = trainer.run(progress=not args.no_progress)
+    except checkpoint.WriteError as e:
+        print(f"autohc: {e}" if launch.rank == 0 else f"autohc: rank {launch.rank}: stopping: {e}",
+              file=sys.stderr, flush=True)
+        return 2
     except RuntimeError as e:
         if launch.world == 1:
             raise
@@ -331,6 +369,17 @@ def _train_in_group(args, launch) -> int:
             from ..runtime import cftp
             cftp.disable()
     trainer.end_data_parallel()
+    if (stopped := summary["stopped_by"]) is not None:
+        if launch.rank == 0:
+            print(f"autohc train: {stopped['signal']} at step {trainer.step}: stopped after writing "
+                  f"{stopped['checkpoint']}; the same command continues from there "
+                  f"(exit {preempt.EXIT_PREEMPTED})", file=sys.stderr, flush=True)
+            if stopped["requeue"]:
+                preempt.requeue()
+        else:
+            print(f"autohc train: rank {launch.rank}: stopped at step {trainer.step} "
+                  f"(exit {preempt.EXIT_PREEMPTED})", file=sys.stderr, flush=True)
+        return preempt.EXIT_PREEMPTED
     if launch.rank != 0:                # rank 0 plots, samples and reports
         return 0
     out = Path(args.out)

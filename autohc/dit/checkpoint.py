@@ -4,15 +4,24 @@ Each is written to a temporary file in the same folder, flushed and fsync'ed, th
 over its final name (`ckpt-<step>.pt`, atomic on POSIX) and the folder fsync'ed; only then are
 older ones beyond `keep` deleted. A reader takes the newest checkpoint that loads and warns
 about (and skips) any that does not.
+
+A checkpoint that cannot be written (no space, a quota, a file-size limit, permissions, an I/O
+error) raises WriteError, one line naming the path, the bytes it needs and the bytes free;
+nothing of it is left behind and the previous checkpoints are untouched. A folder with less
+free space than the checkpoint needs is refused before anything is written.
 """
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
 import torch
+
+from ..runtime import preempt
+from .data import InputError
 
 PATTERN = re.compile(r"^ckpt-(\d{8})\.pt$")
 
@@ -30,17 +39,91 @@ def listing(folder: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+class WriteError(InputError):
+    """A checkpoint that could not be written; the previous ones stay as they were."""
+
+
+def state_bytes(obj) -> int:
+    """The tensor bytes in a (nested) state: about what torch.save writes."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(state_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(state_bytes(v) for v in obj)
+    return 0
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def free_bytes(folder: Path) -> int | None:
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def _write_error(final: Path, why: str, need: int) -> WriteError:
+    free = free_bytes(final.parent)
+    room = f"needs about {_gb(need)}, {_gb(free)} free there" if free is not None else f"needs about {_gb(need)}"
+    prev = listing(final.parent)
+    keep = f"; the previous checkpoint {prev[-1][1]} stays loadable" if prev else ""
+    return WriteError(f"cannot write checkpoint {final}: {why} ({room}){keep}")
+
+
+class _Writer:
+    """The file torch.save writes through: every byte written or the OSError kept, since
+    torch.save reports a failed write only as "unexpected pos" (a RuntimeError)."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        done = 0
+        try:
+            while done < len(view):
+                done += self.f.write(view[done:])
+        except OSError as e:
+            self.error = e
+            raise
+        return done
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _reason(e: BaseException) -> str:
+    """The system's words for a failed write (No space left on device, File too large, ...)."""
+    if isinstance(e, OSError) and e.errno is not None:
+        return os.strerror(e.errno)
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def save(state: dict, folder: Path, step: int, keep: int = 3) -> Path:
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     final = path_for(folder, step)
-    tmp = folder / f".{final.name}.tmp-{os.getpid()}"
+    need = state_bytes(state)
     try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _write_error(final, _reason(e), need) from None
+    free = free_bytes(folder)
+    if free is not None and free < need:            # refused before a byte is written
+        raise _write_error(final, "not enough free space", need)
+    tmp = folder / f".{final.name}.tmp-{os.getpid()}"
+    writer = None
+    try:
+        with preempt.writing(tmp), open(tmp, "wb", buffering=0) as f:
+            writer = _Writer(f)
+            torch.save(state, writer)
             os.fsync(f.fileno())
         os.replace(tmp, final)
+    except (OSError, RuntimeError) as e:
+        raise _write_error(final, _reason(writer.error if writer and writer.error else e), need) from None
     finally:
         tmp.unlink(missing_ok=True)
     fd = os.open(folder, os.O_RDONLY)

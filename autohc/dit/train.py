@@ -10,6 +10,12 @@ model is wrapped in DistributedDataParallel (gradients all-reduced in buckets du
 on the communication thread of runtime.dist.CommHook unless comm="gloo"), and the logged loss
 is the mean over ranks, so w ranks reproduce one process on the same global batch up to
 float32 reduction order. Only rank 0 writes checkpoints, logs and plots.
+
+A batch system's stop signal (SIGTERM, and the job's own, default SIGUSR1: runtime/preempt.py)
+ends the run at the next step boundary: every rank's flag travels with the loss's all-reduce,
+so all ranks stop after the same step; one checkpoint is written and run() returns with
+"stopped_by" set. A resume (`resume` "auto", the command line's default) continues from the
+newest checkpoint in `out` only when it was trained with the same settings (RESUME_KEYS).
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ import csv
 import math
 import os
 import resource
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -29,7 +36,17 @@ import torch
 from . import checkpoint, data as datalib, precision
 from .diffusion import GaussianDiffusion
 from .model import DiT, config as model_config
-from ..runtime import memory
+from ..runtime import memory, preempt
+
+# the settings a resumed run must share with the run in --out (the rest, e.g. --steps,
+# --ckpt-every, --threads, the number of ranks, may change between the two)
+RESUME_KEYS = ("model", "data", "batch", "lr", "weight_decay", "ema", "seed", "class_dropout",
+               "learn_sigma", "precision", "image_size", "channels")
+
+
+class ResumeError(datalib.InputError):
+    """--out holds a run this command cannot continue (another setup, or not empty for
+    --resume never): one line, exit code 2, nothing written."""
 
 
 @dataclass
@@ -62,6 +79,9 @@ class TrainConfig:
     automem_state: bool = False         # AutoMem also for the optimizer state, between steps
     init: str | None = None             # start from these weights (autohc, facebookresearch/DiT, diffusers)
     precision: str = "fp32"             # fp32, bf16 (autocast, fp32 master weights) or auto (dit/precision.py)
+    stop_signal: int | None = int(signal.SIGUSR1)    # caught besides SIGTERM: stop at the step's end
+    requeue: bool = False               # on stop_signal: also `scontrol requeue` the Slurm job
+    on_ckpt_error: str = "stop"         # a checkpoint that cannot be written: stop (exit 2) or warn
     extra: dict = field(default_factory=dict)
 
 
@@ -109,12 +129,9 @@ class Trainer:
         self.out = Path(cfg.out)
         if cfg.steps < 1 or cfg.batch < 1 or cfg.ckpt_every < 1:
             raise ValueError("steps, batch and ckpt_every must be >= 1")
-        if not cfg.extra.get("resume") and checkpoint.listing(self.out):
-            raise ValueError(f"{self.out} holds checkpoints of an earlier run: pass --resume to continue "
-                             "it, or another --out")
-        resumed = checkpoint.latest(self.out) if cfg.extra.get("resume") else None
-        if cfg.extra.get("resume") and resumed is None:
-            print(f"autohc: no checkpoint in {self.out}; starting from step 0", file=sys.stderr)
+        if cfg.on_ckpt_error not in ("stop", "warn"):
+            raise ValueError(f"on_ckpt_error must be 'stop' or 'warn', got {cfg.on_ckpt_error!r}")
+        resumed = self._find_resume(cfg)
         self.data = dataset or datalib.load(cfg.data, image_size=cfg.image_size,
                                             channels=cfg.channels, seed=cfg.seed)
         init = self._read_init(cfg, resumed)
@@ -133,8 +150,9 @@ class Trainer:
             old = resumed[1]["arch"]
             diff = {k: (old.get(k), v) for k, v in self.arch.items() if old.get(k) != v}
             if diff:
-                raise ValueError(f"--resume: {resumed[0]} was trained with a different setup: "
-                                 + ", ".join(f"{k} {a!r} (now {b!r})" for k, (a, b) in diff.items()))
+                raise ResumeError(f"--resume: {resumed[0]} was trained with a different setup: "
+                                  + ", ".join(f"{k} {a!r} (now {b!r})" for k, (a, b) in diff.items())
+                                  + "; pass the same settings to continue it, or another --out")
         self.precision, self.precision_why = precision.resolve(cfg.precision)
         torch.manual_seed(cfg.seed)
         # the fused operators in both precisions (their bf16 forms under autocast)
@@ -174,6 +192,45 @@ class Trainer:
             self._cftp(cfg.cftp)
         if cfg.world > 1:
             self._data_parallel()
+        self.stop: preempt.StopSignals | None = None     # run()'s, or the caller's (set before run)
+        self.stopping: dict[str, bool] = {}     # after a step: which kind of signal any rank caught
+
+    # ---------------------------------------------------------------- resume
+    def _find_resume(self, cfg: TrainConfig):
+        """(path, state) of the checkpoint to continue, or None for a fresh start.
+
+        extra["resume"]: "auto" (or True): the newest loadable checkpoint in out, if its
+        settings match; "never": a fresh run, only into an empty or missing folder; unset:
+        a fresh run, refused where out holds checkpoints (the library's default)."""
+        mode = cfg.extra.get("resume")
+        mode = {True: "auto", False: None}.get(mode, mode)
+        if mode not in (None, "auto", "never"):
+            raise ValueError(f"resume must be 'auto' or 'never', got {mode!r}")
+        if mode == "never":
+            if self.out.is_dir() and any(self.out.iterdir()):
+                raise ResumeError(f"--resume never: {self.out} is not empty: pass a new or empty --out "
+                                  "(or --resume auto to continue the run there)")
+            return None
+        if mode is None:
+            if checkpoint.listing(self.out):
+                raise ValueError(f"{self.out} holds checkpoints of an earlier run: pass --resume to continue "
+                                 "it, or another --out")
+            return None
+        had = checkpoint.listing(self.out)
+        resumed = checkpoint.latest(self.out)
+        if resumed is None:
+            if had:
+                print(f"autohc: no loadable checkpoint in {self.out}; starting from step 0", file=sys.stderr)
+            return None
+        old = resumed[1].get("config", {})
+        mine = asdict(cfg)
+        diff = [k for k in RESUME_KEYS if k in old and mine[k] is not None and old[k] != mine[k]]
+        if diff:
+            raise ResumeError(f"--resume auto: {resumed[0]} was trained with "
+                              + ", ".join(f"--{k.replace('_', '-')} {old[k]!r} (this command: {mine[k]!r})"
+                                          for k in diff)
+                              + "; pass the same settings to continue it, or another --out")
+        return resumed
 
     # ------------------------------------------------------------------ --init
     def _read_init(self, cfg: TrainConfig, resumed):
@@ -321,16 +378,59 @@ class Trainer:
         ema_update(self.ema, self.model, self.cfg.ema, self.step)
         self.step += 1
         value = loss.item()
-        if self.cfg.world > 1:
+        caught = self._caught()
+        if self.cfg.world > 1:          # the stop flags travel with the loss: all ranks agree
             from ..runtime import dist
-            value = dist.average(value)
+            value, *caught = dist.average_with_flags(value, caught)
+        self.stopping = {"term": bool(caught[0]), "own": bool(caught[1])} if any(caught) else {}
         if not math.isfinite(value):
             raise FloatingPointError(f"loss is {value} at step {self.step}; lower --lr")
         self.losses.append(value)
         return value
 
+    def _caught(self) -> list[bool]:
+        """[SIGTERM-like caught, the job's own stop signal caught] on this rank."""
+        sig = self.stop.requested_signal if self.stop is not None else None
+        own = sig is not None and sig == self.cfg.stop_signal and sig != signal.SIGTERM
+        return [sig is not None and not own, own]
+
+    def checkpoint_everywhere(self, last: bool) -> Path | None:
+        """Rank 0 writes a checkpoint; with several ranks every rank then waits for it (no rank
+        exits before it is on disk) and learns whether it failed. A failure raises
+        checkpoint.WriteError unless on_ckpt_error is "warn" and the run goes on after it."""
+        err, path = None, None
+        if self.cfg.rank == 0:
+            try:
+                path = self.save()
+            except checkpoint.WriteError as e:
+                err = e
+        failed = err is not None
+        if self.cfg.world > 1:
+            from ..runtime import dist
+            failed = dist.average(float(failed)) > 0
+        if failed:
+            if self.cfg.on_ckpt_error == "warn" and not last:
+                if err is not None:
+                    print(f"autohc: warning: {err}; training goes on (--on-ckpt-error warn)",
+                          file=sys.stderr, flush=True)
+                return None
+            raise err or checkpoint.WriteError(f"rank 0 could not write the checkpoint of step {self.step} "
+                                               "(its log says why)")
+        return path
+
     def run(self, progress: bool = True) -> dict:
-        """Train to cfg.steps; returns a summary (steps, seconds, images/s, GFLOP/s, peak RSS)."""
+        """Train to cfg.steps, or to the step at which a stop signal came (summary "stopped_by":
+        the signal, "checkpoint": what was written); returns a summary (steps, seconds,
+        images/s, GFLOP/s, peak RSS)."""
+        if self.stop is None:
+            with preempt.StopSignals(preempt.stop_signals(self.cfg.stop_signal)) as self.stop:
+                try:
+                    return self._run(progress)
+                finally:
+                    self.stop = None
+        return self._run(progress)
+
+    def _run(self, progress: bool) -> dict:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
         cfg, start = self.cfg, self.step
@@ -356,11 +456,19 @@ class Trainer:
                 if progress and not tty and cfg.rank == 0 and (
                         self.step % max(1, cfg.log_every) == 0 or self.step == cfg.steps):
                     print(f"autohc train: step {self.step}/{cfg.steps} · {stats}", file=sys.stderr, flush=True)
-                if self.step % cfg.ckpt_every == 0 or self.step == cfg.steps:
-                    self.save()
+                if self.stopping or self.step % cfg.ckpt_every == 0 or self.step == cfg.steps:
+                    written = self.checkpoint_everywhere(last=bool(self.stopping) or self.step == cfg.steps)
+                if self.stopping:
+                    break
         dt = time.perf_counter() - t0
         n = self.step - start
-        return {"steps": self.step, "new_steps": n, "seconds": dt,
+        stopped = None
+        if self.stopping:
+            mine = self.stop.requested if self.stop is not None else None
+            stopped = {"signal": mine or "a stop signal on another rank",
+                       "requeue": self.stopping["own"] and cfg.requeue,
+                       "checkpoint": str(written) if written else None}
+        return {"steps": self.step, "new_steps": n, "seconds": dt, "stopped_by": stopped,
                 "steps_per_s": n / dt if dt else 0.0, "images_per_s": n * cfg.batch / dt if dt else 0.0,
                 "gflops": n * self.flops_per_step / dt / 1e9 if dt else 0.0,
                 "final_loss": self.losses[-1] if self.losses else None, "peak_rss_gb": peak_rss_gb()}

@@ -124,15 +124,33 @@ def init(launch: Launch | None = None) -> Launch:
     if comm_over_mpi(launch):
         addr, port = _mpi_rendezvous(launch)
     addr, port = addr or "127.0.0.1", port or 29500
+    timeout = datetime.timedelta(seconds=timeout_s())
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=launch.rank,
-                                world_size=launch.world,
-                                timeout=datetime.timedelta(seconds=timeout_s()))
+        store = _restart_store(addr, port, launch.world, timeout)
+        if store is not None:
+            dist.init_process_group("gloo", store=store, rank=launch.rank, world_size=launch.world,
+                                    timeout=timeout)
+        else:
+            dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=launch.rank,
+                                    world_size=launch.world, timeout=timeout)
     except (RuntimeError, ValueError, OSError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise LaunchError(f"rank {launch.rank} of {launch.world} could not join the process group "
                           f"at {addr}:{port} ({launch.launcher}): {first}") from None
     return Launch(launch.rank, launch.world, launch.local_rank, launch.launcher, addr, port)
+
+
+def _restart_store(addr: str, port: int, world: int, timeout):
+    """Under torchrun's agent store, this attempt's own key space in it. torchrun's static
+    rendezvous (its default) keeps one store across `--max-restarts` restarts, so a restarted
+    group would read the dead attempt's addresses and never connect; the attempt's number
+    (TORCHELASTIC_RESTART_COUNT) as a prefix keeps each attempt's keys apart. None elsewhere."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    from torch.distributed import PrefixStore, TCPStore
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    client = TCPStore(addr, port, world, is_master=False, timeout=timeout)
+    return PrefixStore(f"autohc/attempt_{attempt}", client)
 
 
 def shutdown() -> None:
@@ -150,6 +168,19 @@ def average(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t)
     return float(t.item()) / dist.get_world_size()
+
+
+def average_with_flags(value: float, flags) -> list:
+    """[mean of value over the ranks, then for each flag: whether any rank set it], in one
+    all-reduce (a training step's loss and its stop flags: every rank sees the same)."""
+    import torch
+    import torch.distributed as dist
+    flags = [bool(f) for f in flags]
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value, *flags]
+    t = torch.tensor([value, *map(float, flags)], dtype=torch.float64)
+    dist.all_reduce(t)
+    return [float(t[0].item()) / dist.get_world_size(), *(bool(x > 0) for x in t[1:].tolist())]
 
 
 class CommHook:
