@@ -329,3 +329,32 @@ def test_bad_inputs_are_one_line_exit_2_nothing_written(world, tmp_path, capsys)
         capsys, ["train", "--data", "digits", "--out", str(run), "--init", str(ref), "--no-progress"], run)
     assert "no meta.json" in _one_line_exit_2(
         capsys, ["train", "--data", f"latents:{world['imgs']}", "--out", str(run), "--no-progress"], run)
+
+
+def test_encode_stops_on_a_signal_after_its_batch_and_the_same_command_continues(world, tmp_path, monkeypatch,
+                                                                                   capsys):
+    """SIGTERM (as a batch system sends it) arrives while the second batch loads: that batch
+    is finished and written, then exit 75; the same command completes the same file."""
+    import os
+    import signal
+    from autohc.runtime import preempt
+    imgs = world["imgs"]
+    cmd = ["encode", "--data", f"folder:{imgs}", "--vae", str(world["vae"]), "--batch", "4", "--no-progress"]
+    assert main([*cmd, "--out", str(tmp_path / "whole")]) == 0
+    real, calls = encode._load_batch, []
+
+    def signalled(part, size, mode):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(part, size, mode)
+    monkeypatch.setattr(encode, "_load_batch", signalled)
+    capsys.readouterr()
+    assert main([*cmd, "--out", str(tmp_path / "part")]) == preempt.EXIT_PREEMPTED
+    err = capsys.readouterr().err
+    assert "autohc encode: SIGTERM at image 8 of 15: stopped" in err, err
+    assert json.loads((tmp_path / "part" / "meta.json").read_text())["done"] == 8 and len(calls) == 2
+    monkeypatch.setattr(encode, "_load_batch", real)
+    assert main([*cmd, "--out", str(tmp_path / "part")]) == 0
+    a, b = (np.load(tmp_path / d / "latents.npy") for d in ("whole", "part"))
+    assert np.array_equal(a, b)

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from .argtypes import output_dir, positive_int
+from .argtypes import output_dir, positive_int, signal_name
 
 ENCODE_EPILOG = """examples:
   autohc encode --data folder:imgs/ --vae stabilityai/sd-vae-ft-ema --image-size 256 --out latents/
@@ -14,7 +14,8 @@ ENCODE_EPILOG = """examples:
   autohc train --model DiT-XL/2 --data latents:latents/ --out runs/xl
 --vae is a diffusers AutoencoderKL: a folder (save_pretrained) or a hub id. With internet,
 `--vae stabilityai/sd-vae-ft-ema` downloads it once into the Hugging Face cache; without, point
-it at a local copy. A stopped encode resumes: run the same command again."""
+it at a local copy. A stopped encode resumes: run the same command again.
+SIGTERM or --stop-signal (default USR1) ends it after the batch in flight, exit 75."""
 
 CONVERT_EPILOG = """formats:
   autohc      an autohc checkpoint without optimizer state (for sample, eval, train --init)
@@ -48,6 +49,9 @@ def add_parsers(sub) -> None:
     e.add_argument("--seed", type=int, default=0, help="seed of the posterior draws (default: 0)")
     e.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
     e.add_argument("--no-progress", action="store_true", help="no progress bar or log lines")
+    e.add_argument("--stop-signal", type=signal_name, default="USR1", metavar="SIG",
+                   help="besides SIGTERM, the signal that ends the encode after the batch in flight "
+                        "(exit 75; the same command continues) (default: USR1)")
     e.add_argument("--json", action="store_true", help="print a JSON summary")
 
     c = sub.add_parser("convert", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -72,9 +76,18 @@ def cmd_encode(args) -> int:
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
-    r = encode_folder(path, args.vae, args.out, image_size=args.image_size, flip=args.flip,
-                      batch=args.batch, seed=args.seed, progress=not args.no_progress,
-                      log=lambda m: print(m, file=sys.stderr, flush=True))
+    from ..runtime import preempt
+    with preempt.StopSignals(preempt.stop_signals(args.stop_signal)) as stop:
+        r = encode_folder(path, args.vae, args.out, image_size=args.image_size, flip=args.flip,
+                          batch=args.batch, seed=args.seed, progress=not args.no_progress,
+                          log=lambda m: print(m, file=sys.stderr, flush=True), stop=stop)
+    if r["stopped_by"]:
+        total = r["shape"][0] // (2 if r["flip"] else 1)       # the images; rows hold their flips too
+        print(f"autohc encode: {r['stopped_by']} at image {r['done']} of {total}: stopped, the rows so far "
+              f"kept in {args.out}; the same command continues (exit {preempt.EXIT_PREEMPTED})", file=sys.stderr)
+        if args.json:
+            print(json.dumps(r, indent=2))
+        return preempt.EXIT_PREEMPTED
     if args.json:
         print(json.dumps(r, indent=2))
     elif r["new_images"] == 0:

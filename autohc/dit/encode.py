@@ -13,6 +13,8 @@ box filter while the short side is >= twice the size, bicubic to the size, crop 
 `--flip` adds a horizontally flipped copy of every image (rows n..2n-1). Each image's
 posterior draw has its own seed (vae.encode), so a run that was stopped and started again
 (`done` rows kept) gives the same file as one that was not. `data.latents` reads it back.
+A stop signal (`stop`, runtime/preempt.StopSignals) ends the run after the batch in flight
+(its rows and `done` written); the summary's "stopped_by" names the signal.
 """
 from __future__ import annotations
 
@@ -88,8 +90,9 @@ def _vae_ref(spec: str) -> str:
 
 def encode_folder(root: str | Path, vae_spec: str, out: str | Path, *, image_size: int | None = None,
                   flip: bool = False, batch: int = 16, seed: int = 0,
-                  log: Callable[[str], None] | None = None, progress: bool = True) -> dict:
-    """Encode root's class images into out (resuming a stopped run there); a summary."""
+                  log: Callable[[str], None] | None = None, progress: bool = True, stop=None) -> dict:
+    """Encode root's class images into out (resuming a stopped run there); a summary.
+    stop: a preempt.StopSignals looked at after each batch."""
     root, out = Path(root), Path(out)
     if batch < 1:
         raise InputError(f"--batch must be >= 1, got {batch}")
@@ -131,7 +134,7 @@ def encode_folder(root: str | Path, vae_spec: str, out: str | Path, *, image_siz
         _write_json(meta_path, {**settings, "done": 0, "complete": False})
     if done >= n:
         return {**settings, "done": n, "images": rows, "new_images": 0, "seconds": 0.0,
-                "images_per_s": 0.0, "out": str(out)}
+                "images_per_s": 0.0, "out": str(out), "stopped_by": None}
     if done and log:
         log(f"autohc encode: resuming {out} at image {done} of {n}")
     t0, new = time.perf_counter(), 0
@@ -157,9 +160,12 @@ def encode_folder(root: str | Path, vae_spec: str, out: str | Path, *, image_siz
             bar.update(task, completed=done, rate=f"{rate:.1f} images/s")
             if log and not tty and progress and (done == n or (done // batch) % 10 == 0):
                 log(f"autohc encode: {done}/{n} images · {rate:.1f} images/s")
+            if stop is not None and stop.requested and done < n:
+                break
     dt = time.perf_counter() - t0
     return {**settings, "done": done, "images": rows, "new_images": new, "seconds": dt,
-            "images_per_s": new / dt if dt else 0.0, "out": str(out)}
+            "images_per_s": new / dt if dt else 0.0, "out": str(out),
+            "stopped_by": stop.requested if stop is not None and done < n else None}
 
 
 def _load_batch(part: list[tuple[Path, int]], size: int, mode: str) -> torch.Tensor:
