@@ -160,19 +160,67 @@ def add_parsers(sub, bsub) -> None:
     t.add_argument("--json", action="store_true", help="print a JSON summary at the end")
     add_save_argument(t)
 
-    s = sub.add_parser("sample", help="PNG grid of class-conditional samples from a checkpoint",
-                       description="Samples from a checkpoint's EMA weights, one row per class.",
-                       epilog="example:  autohc sample --ckpt runs/digits --classes 0 1 2 3 --per-class 8 --out grid.png")
+    s = sub.add_parser(
+        "sample", formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="class-conditional samples from a checkpoint: a PNG grid, or (--num) a sample set for FID",
+        description="Samples from a checkpoint's EMA weights (--raw: the raw ones), in one of two forms:\n"
+                    "  a PNG grid: one row per class, --per-class images of each of --classes;\n"
+                    "  a sample set (--num N, or an --out ending in .npz): N images in one .npz as the ADM\n"
+                    "  evaluation suite (and facebookresearch/DiT's sample_ddp.py) writes it for FID: arr_0\n"
+                    "  uint8 N x H x W x C in index order (C = 1 for one-channel models), labels int64.\n"
+                    "Image i of a set has its own label (uniform over --classes, default all of the model's)\n"
+                    "and noise, both from a generator seeded by (--seed, i) only. In one process or under\n"
+                    "torchrun, mpirun or srun: batch k (images [k B, (k+1) B), B = --per-batch) is drawn by\n"
+                    "rank k % world, so the set is bit-identical whatever the number of ranks (given the\n"
+                    "same kernels; another --per-batch changes the last bits of a GEMM's blocking, hence a\n"
+                    "setting of the set). Guidance (--cfg) needs a model trained with label dropout; a set\n"
+                    "from a model without one defaults to --cfg 1.",
+        epilog="""examples:
+  autohc sample --ckpt runs/digits --classes 0 1 2 3 --per-class 8 --out grid.png
+  autohc sample --ckpt runs/digits --num 10000 --out samples.npz      # a set: arr_0 + labels
+  autohc sample --ckpt runs/xl --num 50000 --per-batch 32 --sampler ddpm --sample-steps 250 --cfg 1.5 --out fid50k.npz
+the same set over ranks (each rank all its cores, or --threads):
+  torchrun --nproc-per-node 2 -m autohc.cli sample --ckpt runs/xl --num-samples 50000 --out fid50k.npz
+  mpirun -np 2 --map-by ppr:1:socket:pe=N autohc sample --ckpt runs/xl --num 50000 --out fid50k.npz
+  srun --ntasks-per-node 2 --cpus-per-task N autohc sample --ckpt runs/xl --num 50000 --out fid50k.npz
+a set resumes: each finished batch is a shard, OUT.parts/batch-<k>.npz (written atomically), with
+  the settings in OUT.parts/meta.json; the same command after a crash, a kill or a stop signal
+  draws only the batches missing (a shard that does not load is drawn again). Other settings
+  into the same --out: exit 2, naming the setting. At the end rank 0 writes OUT and removes
+  OUT.parts/ (--keep-shards keeps it). The shard folder must be one all ranks see.
+on a batch cluster: SIGTERM or --stop-signal (default USR1, e.g. #SBATCH --signal=USR1@120):
+  the batches in flight end, their shards are written, exit 75; the same command continues
+exit codes: 0 done, 1 error, 2 bad input / another set's --out / a shard not written,
+  75 stopped by a signal (shards kept), 128+N a second signal N (exited at once)""")
     s.add_argument("--ckpt", required=True, help="checkpoint file, or a run folder (its newest)")
-    s.add_argument("--classes", type=int, nargs="+", default=None, help="classes (default: the first 10)")
-    s.add_argument("--per-class", type=positive_int, default=8, help="samples per class (default: 8)")
-    s.add_argument("--out", default="samples.png", type=output_file, help="PNG path (default: samples.png)")
+    s.add_argument("--classes", type=int, nargs="+", default=None,
+                   help="classes (default: a grid the first 10, a set all of the model's, drawn uniformly)")
+    s.add_argument("--per-class", type=positive_int, default=None, help="grid: samples per class (default: 8)")
+    s.add_argument("--num", "--num-samples", dest="num", type=positive_int, default=None, metavar="N",
+                   help="draw a sample set of N images into --out (a .npz) instead of a grid "
+                        "(default with an --out ending in .npz: 50000, the FID-50K set). Under torchrun "
+                        "write --num-samples: torchrun takes --num for its --numa-binding")
+    s.add_argument("--per-batch", type=positive_int, default=32, metavar="B",
+                   help="set: images per batch and shard, drawn by one rank (default: 32; with --cfg "
+                        "the model sees 2B rows)")
+    s.add_argument("--out", default=None, type=output_file,
+                   help="grid: the PNG (default: samples.png); set: the .npz (default: samples.npz), its "
+                        "shards in OUT.parts/ while it is drawn")
+    s.add_argument("--keep-shards", action="store_true",
+                   help="set: keep OUT.parts/ when OUT is written (a rerun then only assembles OUT again)")
+    s.add_argument("--stop-signal", type=signal_name, default="USR1", metavar="SIG",
+                   help="set: besides SIGTERM, the signal that stops it after the batches in flight, with "
+                        "their shards written and exit code 75 (default: USR1)")
+    s.add_argument("--threads", type=positive_int, default=None,
+                   help="torch threads of each process (default: torch's)")
+    s.add_argument("--json", action="store_true", help="one JSON summary instead of the summary line")
     s.add_argument("--seed", type=int, default=0, help="noise seed (default: 0)")
     s.add_argument("--raw", action="store_true", help="the raw model weights instead of the EMA")
     s.add_argument("--no-autohc", action="store_true", help="stock torch kernels")
     s.add_argument("--vae", default=None, metavar="PATH_OR_ID",
                    help="a latent model's VAE, if not where the checkpoint says (its folder or hub id)")
     _sampling_args(s, steps_alias=True)
+    s.set_defaults(cfg=None)            # 2; a set from a model without label dropout: 1
 
     e = sub.add_parser("eval", help="digits quality: class match and Fréchet distance of samples",
                        description="Generates samples of every digit class and labels them with a "
@@ -411,13 +459,24 @@ def _run_trainer(trainer, args, launch) -> int:
 
 
 def cmd_sample(args) -> int:
+    if args.threads:                    # before install(), which takes the count for its kernels
+        import torch
+        torch.set_num_threads(args.threads)
+    if args.num is not None or (args.out or "").endswith(".npz"):
+        from ..dit import sample_set    # a sample set: autohc/dit/sample_set.py
+        return sample_set.command(args, kernels=lambda: _kernels(args), fused_ops=lambda: _fused_ops(args))
     from ..dit.sample import decode_latents, load_model, save_grid
+    out = args.out or "samples.png"
+    args.cfg = 2.0 if args.cfg is None else args.cfg
     model, arch, path = load_model(args.ckpt, ema=not args.raw, fused_ops=_fused_ops(args))
     classes = args.classes if args.classes is not None else list(range(min(10, arch["num_classes"])))
     with _kernels(args):
-        x, _ = _generate(model, arch, classes, args.per_class, args, progress=True)
-    save_grid(decode_latents(x, arch, args.vae), len(classes), args.out)
-    print(f"autohc: {len(x)} samples from {path} -> {args.out}")
+        x, _ = _generate(model, arch, classes, args.per_class or 8, args, progress=True)
+    save_grid(decode_latents(x, arch, args.vae), len(classes), out)
+    if args.json:
+        print(json.dumps({"out": out, "samples": len(x), "ckpt": str(path)}))
+    else:
+        print(f"autohc: {len(x)} samples from {path} -> {out}")
     return 0
 
 

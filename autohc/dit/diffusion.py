@@ -71,16 +71,27 @@ class GaussianDiffusion:
     @torch.no_grad()
     def sample(self, eps_fn: Callable, shape, *, sampler: str = "ddim", steps: int | None = None,
                generator: torch.Generator | None = None, clip: bool = True,
-               progress: Callable | None = None) -> torch.Tensor:
+               progress: Callable | None = None,
+               generators: list[torch.Generator] | None = None) -> torch.Tensor:
         """Draw samples: eps_fn(x, t) -> epsilon. DDPM walks `steps` of the num_timesteps (all by
         default; fewer: the respaced chain); DDIM (eta 0) walks `steps` evenly spaced ones (50 by
-        default). clip: clamp predicted x0 to [-1, 1] (images)."""
+        default). clip: clamp predicted x0 to [-1, 1] (images). generators: one per image (row i's
+        initial noise and DDPM step noise from generators[i] only, so an image does not depend
+        on the batch it is drawn in); else `generator` draws the whole batch's noise."""
         if sampler not in ("ddim", "ddpm"):
             raise ValueError(f"sampler must be 'ddim' or 'ddpm', got {sampler!r}")
         steps = self.default_steps(sampler) if steps is None else steps
         if not 1 <= steps <= self.num_timesteps:
             raise ValueError(f"sampling steps must be in [1, {self.num_timesteps}], got {steps}")
-        x = torch.randn(shape, generator=generator)
+        if generators is not None and len(generators) != shape[0]:
+            raise ValueError(f"{len(generators)} generators for a batch of {shape[0]}")
+
+        def noise(like_shape):
+            if generators is None:
+                return torch.randn(like_shape, generator=generator)
+            return torch.stack([torch.randn(like_shape[1:], generator=g) for g in generators])
+
+        x = noise(shape)
         n = shape[0]
         if sampler == "ddpm":
             chain, kept = self.respaced(steps) if steps < self.num_timesteps else (self, range(steps))
@@ -100,7 +111,7 @@ class GaussianDiffusion:
                 mean = chain._at(chain.posterior_mean_coef1, c, x) * x0 + chain._at(chain.posterior_mean_coef2, c, x) * x
                 if ci > 0:
                     std = (0.5 * chain._at(chain.posterior_log_variance, c, x)).exp()
-                    x = mean + std * torch.randn(x.shape, generator=generator)
+                    x = mean + std * noise(x.shape)
                 else:
                     x = mean
             else:

@@ -11,14 +11,33 @@ from .diffusion import GaussianDiffusion
 from .train import build_model
 
 
-def load_model(ckpt: str | Path, *, ema: bool = True, fused_ops=None):
-    """(model in eval mode, arch dict, checkpoint path) from a file or a run folder; its blocks
-    on `fused_ops` (autohc.ops) if given."""
+def load_weights(ckpt: str | Path, *, ema: bool = True, fused_ops=None):
+    """(model in eval mode, the convert.Weights it was built from: arch, step, source)."""
     from .convert import read
     w = read(ckpt)                  # autohc, facebookresearch/DiT or diffusers
     model = build_model(w.arch, fused_ops)
     model.load_state_dict(w.best if ema else w.model)
-    return model.eval(), w.arch, Path(w.source)
+    return model.eval(), w
+
+
+def load_model(ckpt: str | Path, *, ema: bool = True, fused_ops=None):
+    """(model in eval mode, arch dict, checkpoint path) from a file or a run folder; its blocks
+    on `fused_ops` (autohc.ops) if given."""
+    model, w = load_weights(ckpt, ema=ema, fused_ops=fused_ops)
+    return model, w.arch, Path(w.source)
+
+
+def guided_eps(model, arch: dict, y: torch.Tensor, cfg: float):
+    """eps_fn(x, t) of the diffusion sampler for labels y: classifier-free guidance at scale cfg
+    (the batch doubled: conditional and null class) where the model learned a null class
+    (label dropout), else the conditional model alone."""
+    C = arch["in_channels"]
+
+    def eps_fn(x, t):
+        if cfg == 1.0 or arch["class_dropout"] <= 0:
+            return model(x, t, y)[:, :C]
+        return model.forward_with_cfg(x, t, y, cfg)[:, :C]
+    return eps_fn
 
 
 @torch.no_grad()
@@ -35,13 +54,7 @@ def generate(model, arch: dict, classes: list[int], *, per_class: int = 8, sampl
     diffusion = GaussianDiffusion()
     y = torch.tensor(classes, dtype=torch.long).repeat_interleave(per_class)
     shape = (len(y), arch["in_channels"], arch["input_size"], arch["input_size"])
-    C = arch["in_channels"]
-
-    def eps_fn(x, t):
-        if cfg == 1.0 or arch["class_dropout"] <= 0:
-            return model(x, t, y)[:, :C]
-        return model.forward_with_cfg(x, t, y, cfg)[:, :C]
-
+    eps_fn = guided_eps(model, arch, y, cfg)
     g = torch.Generator().manual_seed(seed)
     total = diffusion.default_steps(sampler) if steps is None else steps
     if progress:
@@ -59,12 +72,19 @@ def generate(model, arch: dict, classes: list[int], *, per_class: int = 8, sampl
 def decode_latents(x: torch.Tensor, arch: dict, vae_spec: str | None = None) -> torch.Tensor:
     """Images in [-1, 1] from a latent model's samples, through the VAE it was trained with
     (or vae_spec); a pixel-space model's samples as they are."""
+    decode = latent_decoder(arch, vae_spec)
+    return x if decode is None else decode(x)
+
+
+def latent_decoder(arch: dict, vae_spec: str | None = None):
+    """decode(latents) -> images in [-1, 1] through a latent model's VAE (or vae_spec), loaded
+    once here (VaeError in one line if it cannot be); None for a pixel-space model."""
     from . import vae as vaelib
     latent = arch.get("latent")
     if not latent and vae_spec:         # e.g. a facebookresearch/DiT state dict: it names no VAE
         latent = {"vae": vae_spec, "scaling_factor": None}
     if not latent:
-        return x
+        return None
     try:
         vae = vaelib.load(vae_spec or latent["vae"])
     except vaelib.VaeError as e:
@@ -72,7 +92,7 @@ def decode_latents(x: torch.Tensor, arch: dict, vae_spec: str | None = None) -> 
             raise
         raise vaelib.VaeError(f"{e}; the model was trained on that VAE's latents: pass --vae PATH_OR_ID") from None
     scale = latent["scaling_factor"] or vaelib.scaling_factor(vae)
-    return torch.cat([vaelib.decode(vae, part, scale) for part in x.split(16)])
+    return lambda x: torch.cat([vaelib.decode(vae, part, scale) for part in x.split(16)])
 
 
 def to_uint8(x: torch.Tensor) -> np.ndarray:
