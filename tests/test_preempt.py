@@ -181,17 +181,19 @@ def test_sigterm_stops_one_process_with_a_checkpoint_and_the_same_command_contin
     _same_weights(_final(out), single)              # bit for bit
 
 
-@pytest.mark.parametrize("sig,requeued", [(signal.SIGUSR2, True), (signal.SIGTERM, False)])
-def test_stop_signal_with_requeue_asks_slurm_to_requeue(tmp_path, sig, requeued):
-    """--requeue on the job's own signal (here --stop-signal USR2); SIGTERM (scancel, a time
-    limit) only stops."""
+@pytest.mark.parametrize("sig,own,requeued", [(signal.SIGUSR1, [], True),
+                                              (signal.SIGUSR2, ["--stop-signal", "USR2"], True),
+                                              (signal.SIGTERM, [], False)], ids=["USR1", "USR2", "TERM"])
+def test_stop_signal_with_requeue_asks_slurm_to_requeue(tmp_path, sig, own, requeued):
+    """--requeue on the job's own signal (USR1 by default, or --stop-signal's); SIGTERM
+    (scancel, a time limit) only stops."""
     out, bin_dir, record = tmp_path / "run", tmp_path / "bin", tmp_path / "scontrol.args"
     bin_dir.mkdir()
     fake = bin_dir / "scontrol"                     # a stand-in that records what it was asked
     fake.write_text(f"#!/bin/sh\necho \"$@\" >> {record}\n")
     fake.chmod(0o755)
     env = _env(SLURM_JOB_ID="4242", PATH=f"{bin_dir}:{os.environ['PATH']}")
-    p = _start_then([sys.executable], out, env=env, extra=["--requeue", "--stop-signal", "USR2"])
+    p = _start_then([sys.executable], out, env=env, extra=["--requeue", *own])
     p.send_signal(sig)
     _, err = p.communicate(timeout=300)
     assert p.returncode == preempt.EXIT_PREEMPTED, err[-3000:]
