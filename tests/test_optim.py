@@ -111,3 +111,42 @@ def test_many_tensors_split_across_threads_and_different_steps():
     assert float(ours.state[ps[4]]["step"]) == 3.0 and float(ours.state[ps[0]]["step"]) == 4.0
     for p, q in zip(ps, ref):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_ema_in_the_same_pass_matches_the_trainers_torch_ema():
+    """step(ema_decay=d) updates each attached EMA from the new weights in the kernel's pass;
+    torch's e.mul_(d).add_(p, alpha=1 - d) after torch's step is the reference. Covered: ragged
+    sizes across the thread split, a float64 parameter and a non-contiguous EMA (torch's ops),
+    a parameter without a gradient this step (its EMA still moves), one without an EMA."""
+    torch.manual_seed(3)
+    shapes = [(200_003,), (17, 33), (5,), (1,)]
+    ps = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    ps.append(torch.nn.Parameter(torch.randn(9, dtype=torch.float64)))
+    ps.append(torch.nn.Parameter(torch.randn(4, 6)))                 # gets no gradient
+    ps.append(torch.nn.Parameter(torch.randn(300)))                  # has no EMA
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    emas = [p.detach().clone() + 0.5 for p in ps[:-1]]
+    emas[1] = emas[1].t().contiguous().t()                           # not contiguous
+    ref_emas = [e.clone() for e in emas]
+    mine, theirs = O.AdamW(ps, lr=1e-2, weight_decay=0.1), torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
+    mine.attach_ema(zip(ps, emas))
+    for step in range(4):
+        d = min(0.99, (1 + step) / (10 + step))
+        g = torch.Generator().manual_seed(step)
+        for a, b in zip(ps, ref):
+            if a is ps[5]:
+                continue
+            a.grad = torch.randn(a.shape, generator=g, dtype=a.dtype)
+            b.grad = a.grad.clone()
+        mine.step(ema_decay=d)
+        theirs.step()
+        with torch.no_grad():
+            for e, b in zip(ref_emas, ref):
+                e.mul_(d).add_(b, alpha=1 - d)
+        for k, (e, r) in enumerate(zip(emas, ref_emas)):
+            assert (e - r).abs().max().item() <= 1e-6 * (step + 1), (step, k)
+    mine.step()                         # without ema_decay the EMAs stay
+    for e, r in zip(emas, ref_emas):
+        assert (e - r).abs().max().item() <= 1e-5
+    with pytest.raises(ValueError, match="an EMA of shape"):
+        mine.attach_ema([(ps[0], torch.zeros(3))])

@@ -232,6 +232,50 @@ def bench_adamw(n: int = XL_PARAMS, repeats: int = 3, progress=None) -> tuple[Op
     return row, ms
 
 
+EMA_DECAY = 0.9999
+
+
+def bench_adamw_ema(n: int = XL_PARAMS, repeats: int = 3, progress=None) -> tuple[OpRow, dict]:
+    """A trainer's optimizer step with its EMA update: autohc's AdamW with the EMA in its pass
+    (step(ema_decay=d)) vs torch's fused AdamW followed by the EMA as one foreach lerp (the
+    fastest torch form of the reference's per-parameter mul_/add_); 36 bytes per parameter
+    moved (AdamW's 28, the EMA's read and write)."""
+    from ..torch.optim import AdamW
+    say = progress or (lambda m: None)
+    params = adamw_params(n)
+    emas = [p.detach().clone() for p in params]
+
+    def mine():
+        opt = AdamW(params, lr=1e-4, weight_decay=0.0)
+        opt.attach_ema(zip(params, emas))
+        return lambda: opt.step(ema_decay=EMA_DECAY)
+
+    def torch_fused():
+        opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=True)
+
+        def step():
+            opt.step()
+            torch._foreach_lerp_(emas, params, 1 - EMA_DECAY)
+        return step
+    makers = {"autohc": mine, "torch_fused": torch_fused}
+    times = {name: [] for name in makers}
+    for order in (list(makers), list(makers)[::-1]):       # as bench_adamw: both orders
+        for name in order:
+            step = makers[name]()
+            step()
+            t = timing.interleaved({name: step}, samples=repeats, warmup=0, min_sample_s=0.0)
+            times[name] += t[name].samples
+            del step
+    ms = {name: 1e3 * timing.summarize(ts).median for name, ts in times.items()}
+    for name, v in ms.items():
+        say(f"  adamw+ema {name}: {v:.1f} ms")
+    nbytes = 36 * n
+    row = OpRow("adamw+ema", f"{n / 1e6:.1f}M params", ms["autohc"], ms["torch_fused"],
+                ms["torch_fused"] / ms["autohc"], nbytes / ms["autohc"] / 1e6, 0.0,
+                nbytes / ms["torch_fused"] / 1e6, "torch fused AdamW + foreach lerp EMA")
+    return row, ms
+
+
 def bench_ops(images: int = 8, repeats: int = 9, adamw_params: int = XL_PARAMS,
               names: list[str] | None = None, progress=None, dtype: str = "fp32") -> dict:
     """dtype bf16: the fused operators and attention as torch.autocast runs them (bf16_op_cases;
@@ -244,9 +288,10 @@ def bench_ops(images: int = 8, repeats: int = 9, adamw_params: int = XL_PARAMS,
         + attention_cases(images, torch.bfloat16 if bf16 else torch.float32)
     if bf16:
         adamw_params = 0
-    unknown = set(names or ()) - {c[0] for c in cases} - {"adamw"}
+    unknown = set(names or ()) - {c[0] for c in cases} - {"adamw", "adamw+ema"}
     if unknown:
-        raise ValueError(f"unknown op {sorted(unknown)}; one of {', '.join(c[0] for c in cases)}, adamw")
+        raise ValueError(f"unknown op {sorted(unknown)}; one of {', '.join(c[0] for c in cases)}, "
+                         "adamw, adamw+ema")
     bw = copy_bandwidth_gbps()
     say(f"copy bandwidth at {torch.get_num_threads()} threads: {bw:.1f} GB/s")
     rows = []
@@ -269,5 +314,10 @@ def bench_ops(images: int = 8, repeats: int = 9, adamw_params: int = XL_PARAMS,
         row, adamw = bench_adamw(adamw_params, progress=say)
         row.pct_bandwidth = 100 * row.gbps / bw
         rows.append(row)
+    if adamw_params and (not names or "adamw+ema" in names):
+        row, adamw_ema = bench_adamw_ema(adamw_params, progress=say)
+        row.pct_bandwidth = 100 * row.gbps / bw
+        rows.append(row)
+        adamw = {**(adamw or {}), **{f"{k}+ema": v for k, v in adamw_ema.items()}}
     return {"threads": torch.get_num_threads(), "images": images, "bandwidth_gbps": bw, "dtype": dtype,
             "rows": [asdict(r) for r in rows], "adamw_ms": adamw}

@@ -1,4 +1,4 @@
-"""`autohc bench step`: one DiT training step (forward, backward, AdamW) with stock torch
+"""`autohc bench step`: one DiT training step (forward, backward, AdamW, EMA) with stock torch
 eager, torch.compile (inductor), autohc, and autohc+compile (torch.compile under install():
 inductor's GEMMs and attention on autohc's kernels, its fused element-wise code for the rest),
 measured in one run. The model is the reference
@@ -7,6 +7,10 @@ when stock); GFLOP/s and % of the machine's FMA peak come from the step's operat
 (torch's FlopCounterMode: GEMMs and attention). The peak is one core's FMA probe times the
 threads, probed just before and just after each mode's steps (all modes' when interleaved),
 since a shared machine's clock moves with its host's load.
+
+The EMA update is part of the step, as in every DiT training script: the stock modes run the
+reference's update_ema (a mul_ and an add_ per parameter), autohc's AdamW updates the EMA in
+its own pass over the weights (torch/optim.py). --profile counts the EMA as "optimizer".
 
 Every mode starts from the same seed (weights, data, timesteps, noise, label dropout), so
 their losses step by step differ only by floating-point rounding; they are compared against
@@ -18,6 +22,7 @@ machine's noise falls on all alike, unless the model is too big for three copies
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import os
 import statistics
@@ -31,7 +36,8 @@ from ..dit.diffusion import GaussianDiffusion
 from ..hw import cpu
 from ..runtime import memory
 from ..dit.model import config
-from ..dit.train import autohc_ops, build_model, make_optimizer, peak_rss_gb
+from ..dit.train import (autohc_ops, build_model, ema_decay, ema_pairs, ema_update, make_optimizer,
+                         peak_rss_gb)
 from ..torch import dispatch as override
 from ..tune import first_use
 from . import timing
@@ -63,6 +69,10 @@ def synthetic_batch(gen: torch.Generator, batch: int, size: int):
     return x, t, y, torch.randn(x.shape, generator=gen)
 
 
+EMA_DECAY = 0.9999               # the reference's
+EMA_EVENT = "ema_update"        # the stock EMA's profiler range (counted as optimizer)
+
+
 class _Mode:
     def __init__(self, name: str, model_name: str, batch: int, image_size: int, seed: int = 0,
                  install_kw: dict | None = None):
@@ -78,6 +88,10 @@ class _Mode:
             memory.parameters_to_huge_pages(self.model)
         self.opt = make_optimizer([p for p in self.model.parameters() if p.requires_grad], lr=1e-4,
                                   weight_decay=0.0, use_autohc=self.on_autohc)
+        self.ema = copy.deepcopy(self.model).requires_grad_(False)
+        self.fused_ema = hasattr(self.opt, "attach_ema")
+        if self.fused_ema:
+            self.opt.attach_ema(ema_pairs(self.ema, self.model))
         # autohc+compile: inductor compiles the stock model and fuses its element-wise work;
         # its GEMMs (mm.out / addmm.out) and attention (the flash op) reach autohc's kernels
         # at run time, through install()
@@ -100,7 +114,13 @@ class _Mode:
                 loss = self.diffusion.training_loss(self.forward, x, t, y, noise)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
-            self.opt.step()
+            d = ema_decay(EMA_DECAY, len(self.losses))
+            if self.fused_ema:
+                self.opt.step(ema_decay=d)
+            else:
+                self.opt.step()
+                with torch.profiler.record_function(EMA_EVENT):
+                    ema_update(self.ema, self.model, EMA_DECAY, len(self.losses))
             self.times.append(time.perf_counter() - t0)
             if finish_tuning:
                 self.finish_tuning()
@@ -163,7 +183,7 @@ def event_class(event) -> str | None:
     addcdiv_), which op_class alone counts as element-wise work."""
     parent = event
     while parent is not None:
-        if parent.name.startswith("Optimizer.step"):
+        if parent.name.startswith("Optimizer.step") or parent.name == EMA_EVENT:
             return "optimizer"
         parent = parent.cpu_parent
     return op_class(event.name)
@@ -268,7 +288,7 @@ def _bench(model, batch, image_size, steps, warmup, modes, say, install_kw, prof
     # neighbour's memory traffic leaves, which the memory-bound parts of a step follow
     copy_before = memory_bandwidth_gbps()
     D, depth = config(model).hidden, config(model).depth
-    est = 16 * 18 * D * D * depth * len(modes)   # weights, grads, two moments per mode
+    est = 20 * 18 * D * D * depth * len(modes)   # weights, grads, two moments, EMA per mode
     interleave = est < 0.4 * psutil.virtual_memory().total
     say(f"bench step: {model} batch {batch}, {torch.get_num_threads()} threads, modes {list(modes)}, "
         f"{'interleaved' if interleave else 'one after the other'}")
@@ -296,7 +316,7 @@ def _bench(model, batch, image_size, steps, warmup, modes, say, install_kw, prof
             if profile:
                 r.profile = profile_step(r)
             runs.append(r)
-            r.model = r.forward = r.opt = None      # free it before the next mode
+            r.model = r.forward = r.opt = r.ema = None      # free it before the next mode
     copy_after = memory_bandwidth_gbps()
     flops = step_flops(model, batch, image_size)
     peaks = {r.name: r.peak for r in runs}

@@ -296,8 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Times each generated operator (GELU-tanh, SiLU, LayerNorm + adaLN modulate, "
                     "softmax, gated residual; forward and backward) against torch eager on\n"
                     "DiT-XL/2-sized tensors, interleaved, median of repeats, with effective GB/s and "
-                    "%% of a copy's bandwidth measured in the same run;\nand autohc.optim.AdamW "
-                    "against torch.optim.AdamW fused=True and foreach=True over 675M parameters.",
+                    "%% of a copy's bandwidth measured in the same run;\nautohc.optim.AdamW "
+                    "against torch.optim.AdamW fused=True and foreach=True over 675M parameters;\n"
+                    "and adamw+ema, a trainer's step with its EMA: autohc's AdamW updating the EMA in "
+                    "its pass against torch's fused AdamW and a foreach lerp.",
         epilog="examples:\n  autohc bench ops\n  autohc bench ops --ops gelu_tanh softmax --adamw-params 0 --json\n"
                "  autohc bench ops --dtype bf16   # the ops and attention as under torch.autocast, vs torch's\n"
                "  autohc bench ops --adamw-params 50000000   # AdamW on less memory (675M needs ~14 GB)")
@@ -306,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--adamw-params", type=non_negative_int, default=675_129_632,
                    help="AdamW parameters (default: DiT-XL/2's 675129632; 0 skips AdamW)")
     o.add_argument("--ops", nargs="+", default=None, metavar="NAME",
-                   help="only these rows (names as in the table; 'adamw' included)")
+                   help="only these rows (names as in the table; 'adamw' and 'adamw+ema' included)")
     o.add_argument("--threads", type=positive_int, default=None, help="threads (default: all usable)")
     o.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                    help="fp32 (default), or bf16: the operators and attention with the dtypes "

@@ -220,10 +220,13 @@ def cmd_bench_ops(args) -> int:
         rate = f" {w['gflops']:8.1f} {w['torch_gflops']:6.1f}" if w.get("gflops") else ""
         print(f"{w['name']:28s} {w['shape']:18s} {w['ms']:8.2f} {w['torch_ms']:9.2f} "
               f"{w['speedup']:7.2f}x {w['gbps']:6.1f} {w['pct_bandwidth']:4.0f}%{rate}")
-    if r["adamw_ms"]:
-        a = r["adamw_ms"]
+    a = r["adamw_ms"] or {}
+    if "autohc" in a:
         print(f"adamw: autohc {a['autohc']:.1f} ms, torch fused {a['torch_fused']:.1f} ms, "
               f"torch foreach {a['torch_foreach']:.1f} ms")
+    if "autohc+ema" in a:
+        print(f"adamw+ema: autohc (the EMA in AdamW's pass) {a['autohc+ema']:.1f} ms, torch fused "
+              f"AdamW + foreach lerp EMA {a['torch_fused+ema']:.1f} ms")
     return 0
 
 

@@ -101,11 +101,21 @@ def autohc_ops(use_autohc: bool):
     return FUSED
 
 
+def ema_decay(decay: float, step: int) -> float:
+    """The EMA's decay at step n: the usual warm-up min(decay, (1 + n) / (10 + n)) so that short
+    runs have a useful average; at n -> inf it is the reference's plain `decay`."""
+    return min(decay, (1 + step) / (10 + step))
+
+
+def ema_pairs(ema: torch.nn.Module, model: torch.nn.Module):
+    """(parameter, its EMA) of every trained parameter."""
+    return [(p, e) for e, p in zip(ema.parameters(), model.parameters()) if p.requires_grad]
+
+
 @torch.no_grad()
 def ema_update(ema: torch.nn.Module, model: torch.nn.Module, decay: float, step: int) -> None:
-    """EMA with the usual warm-up min(decay, (1 + n) / (10 + n)) so that short runs have a
-    useful average; at n -> inf it is the reference's plain `decay`."""
-    d = min(decay, (1 + step) / (10 + step))
+    """The EMA step as the reference's update_ema: one mul_ and add_ per parameter."""
+    d = ema_decay(decay, step)
     for e, p in zip(ema.parameters(), model.parameters()):
         if p.requires_grad:
             e.mul_(d).add_(p.detach(), alpha=1 - d)
@@ -165,6 +175,10 @@ class Trainer:
             self.ema.load_state_dict(ema_weights)
         self.opt = make_optimizer([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
                                   weight_decay=cfg.weight_decay, use_autohc=cfg.autohc)
+        # autohc's AdamW updates the EMA in its own pass over the weights (torch/optim.py)
+        self.fused_ema = hasattr(self.opt, "attach_ema")
+        if self.fused_ema:
+            self.opt.attach_ema(ema_pairs(self.ema, self.model))
         self.diffusion = GaussianDiffusion()
         self.gen = torch.Generator().manual_seed(cfg.seed + 1)     # timesteps and noise
         self.batches = datalib.Batches(self.data, cfg.batch, seed=cfg.seed, rank=cfg.rank, world=cfg.world)
@@ -368,14 +382,17 @@ class Trainer:
             loss.backward()                     # (the moments start back mid-backward)
         if self.state_offload is not None:
             self.state_offload.restore()
-        self.opt.step()
+        if self.fused_ema:              # AdamW and the EMA in one pass
+            self.opt.step(ema_decay=ema_decay(self.cfg.ema, self.step))
+        else:
+            self.opt.step()
+            ema_update(self.ema, self.model, self.cfg.ema, self.step)
         if self.state_offload is not None:
             self.state_offload.offload()
         if self.cftp_clusters and not self._moments_homed:     # the moments exist from now on
             from ..runtime import cftp
             cftp.first_touch(self.model, self.opt, self.cftp_clusters)
             self._moments_homed = True
-        ema_update(self.ema, self.model, self.cfg.ema, self.step)
         self.step += 1
         value = loss.item()
         caught = self._caught()

@@ -7,6 +7,12 @@ group's tensors, split over the worker pool's team of kernel_threads() threads
 hyper-parameters and state (`step`, `exp_avg`, `exp_avg_sq`) as torch.optim.AdamW, so
 state_dicts move between the two. Tensors the kernel does not take (not float32, not
 contiguous, not CPU) get torch's own AdamW update, unchanged.
+
+An EMA of the weights (a trainer's `ema = d ema + (1 - d) p` after each step) rides in the
+same pass: `attach_ema` names each parameter's EMA tensor and `step(ema_decay=d)` updates
+them from the new weights as it writes them, so the EMA reads no weight again and costs no
+per-parameter torch calls. An EMA the kernel cannot take, or of a parameter without a
+gradient this step, is updated by torch's ops, with the same formula.
 """
 from __future__ import annotations
 
@@ -31,17 +37,30 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError("autohc.optim.AdamW: amsgrad and maximize are not supported; "
                              "use torch.optim.AdamW for them")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self._ema: dict[torch.Tensor, torch.Tensor] = {}
+
+    def attach_ema(self, pairs) -> None:
+        """(parameter, its EMA tensor) pairs that step(ema_decay=d) updates in its pass."""
+        for p, e in pairs:
+            if e.shape != p.shape or e.dtype != p.dtype:
+                raise ValueError(f"an EMA of shape {tuple(e.shape)} {e.dtype} for a parameter of "
+                                 f"{tuple(p.shape)} {p.dtype}")
+            self._ema[p] = e
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, *, ema_decay: float | None = None):
+        """One AdamW step; with ema_decay, also every attached EMA from the new weights."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        ema = self._ema if ema_decay is not None else {}
+        ema_done: set[torch.Tensor] = set()
         for group in self.param_groups:
             lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             slow = []
-            by_step: dict[float, list] = {}     # tensors with the same step share bias corrections
+            # tensors with the same step share bias corrections; those with an EMA go together
+            by_step: dict[tuple[float, bool], list] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -56,11 +75,14 @@ class AdamW(torch.optim.Optimizer):
                 tensors = (p, p.grad, st["exp_avg"], st["exp_avg_sq"])
                 if all(x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous()
                        for x in tensors) and p.numel() > 0:
-                    by_step.setdefault(float(st["step"]), []).append(tensors)
+                    e = ema.get(p)
+                    if e is not None and e.is_contiguous() and e.device.type == "cpu":
+                        tensors, _ = (*tensors, e), ema_done.add(p)
+                    by_step.setdefault((float(st["step"]), len(tensors) == 5), []).append(tensors)
                 else:
                     slow.append(p)
-            for t, bucket in by_step.items():   # one kernel call per thread for the lot
-                _fused_step(bucket, lr, b1, b2, eps, wd, 1 - b1 ** t, 1 - b2 ** t)
+            for (t, _), bucket in by_step.items():      # one kernel call per thread for the lot
+                _fused_step(bucket, lr, b1, b2, eps, wd, 1 - b1 ** t, 1 - b2 ** t, ema_decay)
             if slow:                    # torch's own single-tensor AdamW for the rest
                 from torch.optim.adamw import adamw as torch_adamw
                 torch_adamw([p for p in slow], [p.grad for p in slow],
@@ -69,15 +91,20 @@ class AdamW(torch.optim.Optimizer):
                             [self.state[p]["step"] - 1 for p in slow], foreach=False,
                             amsgrad=False, beta1=b1, beta2=b2, lr=lr, weight_decay=wd, eps=eps,
                             maximize=False)
+        for p, e in ema.items():        # what the pass did not take: torch's ops, same formula
+            if p not in ema_done:
+                e.mul_(ema_decay).add_(p.detach(), alpha=1 - ema_decay)
         return loss
 
 
-def _fused_step(tensors, lr, b1, b2, eps, wd, bc1, bc2):
-    """One AdamW step over [(param, grad, exp_avg, exp_avg_sq), ...]: their concatenation is
-    split evenly over the team (whole cache lines each), one kernel call for the lot."""
+def _fused_step(tensors, lr, b1, b2, eps, wd, bc1, bc2, ema_decay=None):
+    """One AdamW step over [(param, grad, exp_avg, exp_avg_sq[, ema]), ...] (all with an EMA
+    or none): their concatenation is split evenly over the team (whole cache lines each), one
+    kernel call for the lot."""
     ffi, fn = ops.kernel_fn("adamw")
+    with_ema = len(tensors[0]) == 5
     cols = [ffi.new("float *[]", [ffi.cast("float *", ts[i].data_ptr()) for ts in tensors])
-            for i in range(4)]
+            for i in range(5 if with_ema else 4)]
     sizes = [ts[0].numel() for ts in tensors]
-    fn(*cols, ffi.new("int64_t[]", sizes), len(sizes), sum(sizes), lr, b1, b2, eps, wd, bc1, bc2,
-       kernel_threads())
+    fn(*cols[:4], cols[4] if with_ema else ffi.NULL, ffi.new("int64_t[]", sizes), len(sizes),
+       sum(sizes), lr, b1, b2, eps, wd, bc1, bc2, ema_decay if with_ema else 0.0, kernel_threads())
