@@ -358,3 +358,114 @@ def test_encode_stops_on_a_signal_after_its_batch_and_the_same_command_continues
     assert main([*cmd, "--out", str(tmp_path / "part")]) == 0
     a, b = (np.load(tmp_path / d / "latents.npy") for d in ("whole", "part"))
     assert np.array_equal(a, b)
+
+
+# ------------------------------------------------------------- encode over ranks
+
+_STOP_ON_RANK_1 = """import os, signal, sys
+from autohc.dit import encode
+real, calls = encode._load_batch, []
+def signalled(*a):
+    calls.append(1)
+    if os.environ["RANK"] == "1" and len(calls) == 2:     # rank 1's second batch: round 1
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real(*a)
+encode._load_batch = signalled
+from autohc.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _launch_env():
+    """No launcher's variables of this process's own (tests/test_dist.py)."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("OMPI_", "PMI_", "SLURM_", "PMIX_")) and k not in ("RANK", "WORLD_SIZE")}
+
+
+def _same_data_set(a, b):
+    assert np.array_equal(np.load(a / "latents.npy"), np.load(b / "latents.npy"))
+    assert np.array_equal(np.load(a / "labels.npy"), np.load(b / "labels.npy"))
+    assert json.loads((a / "meta.json").read_text()) == json.loads((b / "meta.json").read_text())
+
+
+def _one_process(argv):
+    """main(argv) in this process, its torch thread count (--threads) put back after."""
+    threads = torch.get_num_threads()
+    try:
+        return main(argv)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def wide(world, tmp_path_factory):
+    """21 images (3 classes x 7), --batch 2: 11 batches, 6 for rank 0 and 5 for rank 1 of 2;
+    their latents (and flips) by one process on one thread."""
+    root = tmp_path_factory.mktemp("wide")
+    imgs = _images(root / "imgs", [(16, 16)] * 7)
+    cmd = ["encode", "--data", f"folder:{imgs}", "--vae", str(world["vae"]), "--batch", "2", "--flip",
+           "--threads", "1", "--no-progress"]
+    assert _one_process([*cmd, "--out", str(root / "one")]) == 0
+    return {"cmd": cmd, "one": root / "one"}
+
+
+def _torchrun(args, **kw):
+    torchrun = shutil.which("torchrun") or pytest.fail("torchrun not found (it ships with torch)")
+    return subprocess.run([torchrun, "--nproc-per-node", "2", *args], env=_launch_env(), capture_output=True,
+                          text=True, timeout=300, **kw)
+
+
+def _autohc_lines(err):
+    return [line for line in err.splitlines() if line.startswith(("autohc:", "autohc encode"))]
+
+
+@pytest.mark.xdist_group("net")
+def test_encode_over_two_ranks_under_torchrun_is_one_processes_file(wide, tmp_path):
+    out = tmp_path / "two"
+    r = _torchrun(["-m", "autohc.cli", *wide["cmd"], "--out", str(out)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "42 images encoded" in r.stdout and "over 2 ranks (torchrun)" in r.stdout, r.stdout
+    assert r.stdout.count("autohc:") == 1 and not _autohc_lines(r.stderr), r.stderr[-3000:]
+    _same_data_set(wide["one"], out)
+    # a bad input rank 0 finds (another encode's folder): every rank stops, one line
+    r = _torchrun(["-m", "autohc.cli", *wide["cmd"], "--seed", "5", "--out", str(out)])
+    assert r.returncode != 0
+    assert _autohc_lines(r.stderr) == [f"autohc: {out} holds latents of another encode (differs in seed): "
+                                       "pass another --out"], r.stderr[-3000:]
+    _same_data_set(wide["one"], out)
+
+
+@pytest.mark.xdist_group("net")
+def test_encode_stopped_on_one_rank_stops_all_and_one_process_finishes(wide, tmp_path):
+    """SIGTERM reaches rank 1 alone, in round 1: both ranks finish that round (batches 2 and 3,
+    images 0..7 written), exit 75; one process then completes the same file."""
+    script = tmp_path / "stop_on_rank_1.py"
+    script.write_text(_STOP_ON_RANK_1)
+    out = tmp_path / "part"
+    r = _torchrun([str(script), *wide["cmd"], "--out", str(out)], cwd=os.getcwd())
+    assert r.returncode != 0
+    assert _autohc_lines(r.stderr) == [f"autohc encode: SIGTERM at image 8 of 21: stopped, the rows so far kept "
+                                       f"in {out}; the same command continues (exit 75)"], r.stderr[-3000:]
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["done"] == 8 and not meta["complete"]
+    assert _one_process([*wide["cmd"], "--out", str(out)]) == 0
+    _same_data_set(wide["one"], out)
+
+
+@pytest.mark.xdist_group("net")
+def test_encode_stopped_in_one_process_finishes_under_mpirun(wide, tmp_path, monkeypatch):
+    import signal
+    mpirun = shutil.which("mpirun") or pytest.skip("mpirun not found (Open MPI or MPICH)")
+    out = tmp_path / "part"
+    calls = iter(range(1, 100))                             # SIGTERM while the third batch loads
+    monkeypatch.setattr(encode, "_load_batch", lambda *a, real=encode._load_batch: (
+        next(calls) == 3 and os.kill(os.getpid(), signal.SIGTERM), real(*a))[1])
+    assert _one_process([*wide["cmd"], "--out", str(out)]) == 75
+    assert json.loads((out / "meta.json").read_text())["done"] == 6
+    r = subprocess.run([mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable, "-m",
+                        "autohc.cli", *wide["cmd"], "--out", str(out)], env=_launch_env(), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert f"autohc encode: resuming {out} at image 6 of 21" in r.stderr
+    assert "30 images encoded" in r.stdout and "over 2 ranks (openmpi)" in r.stdout, r.stdout
+    _same_data_set(wide["one"], out)

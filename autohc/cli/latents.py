@@ -11,11 +11,14 @@ from .argtypes import output_dir, positive_int, signal_name
 ENCODE_EPILOG = """examples:
   autohc encode --data folder:imgs/ --vae stabilityai/sd-vae-ft-ema --image-size 256 --out latents/
   autohc encode --data folder:imgs/ --vae ./sd-vae-ft-mse --image-size 256 --flip --out latents/
+  torchrun --nproc-per-node 4 -m autohc.cli encode --data folder:imgs/ --vae ./sd-vae-ft-ema --image-size 256 --threads 2 --out latents/
   autohc train --model DiT-XL/2 --data latents:latents/ --out runs/xl
 --vae is a diffusers AutoencoderKL: a folder (save_pretrained) or a hub id. With internet,
 `--vae stabilityai/sd-vae-ft-ema` downloads it once into the Hugging Face cache; without, point
 it at a local copy. A stopped encode resumes: run the same command again.
-SIGTERM or --stop-signal (default USR1) ends it after the batch in flight, exit 75."""
+SIGTERM or --stop-signal (default USR1) ends it after the batch in flight, exit 75.
+Under torchrun, mpirun or srun the ranks share the batches (one file, the same as one
+process's); a stopped run continues at any number of ranks."""
 
 CONVERT_EPILOG = """formats:
   autohc      an autohc checkpoint without optimizer state (for sample, eval, train --init)
@@ -68,19 +71,43 @@ def add_parsers(sub) -> None:
 
 
 def cmd_encode(args) -> int:
+    """0 done, 1 an error (a bad launch, a rank that died), 2 bad input, 75 stopped by a signal.
+    Under torchrun, mpirun or srun the ranks share the batches (encode.encode_folder); rank 0
+    alone prints."""
     from ..dit.data import InputError
-    from ..dit.encode import encode_folder
+    from ..dit.encode import Elsewhere, encode_folder
+    from ..runtime import dist, preempt
     kind, _, path = args.data.partition(":")
     if kind != "folder" or not path:
         raise InputError(f"--data {args.data!r}: expected folder:PATH")
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
-    from ..runtime import preempt
     with preempt.StopSignals(preempt.stop_signals(args.stop_signal)) as stop:
-        r = encode_folder(path, args.vae, args.out, image_size=args.image_size, flip=args.flip,
-                          batch=args.batch, seed=args.seed, progress=not args.no_progress,
-                          log=lambda m: print(m, file=sys.stderr, flush=True), stop=stop)
+        try:
+            launch = dist.init()            # world 1 without a launcher
+        except dist.LaunchError as e:
+            print(f"autohc: {e}", file=sys.stderr)
+            return 1
+        lead = launch.rank == 0
+        try:
+            r = encode_folder(path, args.vae, args.out, image_size=args.image_size, flip=args.flip,
+                              batch=args.batch, seed=args.seed, progress=lead and not args.no_progress,
+                              log=(lambda m: print(m, file=sys.stderr, flush=True)) if lead else None, stop=stop)
+        except Elsewhere as e:              # every rank exits 2; rank 0 says why
+            if lead:
+                print(f"autohc: {e}", file=sys.stderr)
+            return 2
+        except RuntimeError as e:           # a collective that failed: one line per rank
+            if launch.world == 1:
+                raise
+            print(f"autohc: rank {launch.rank} of {launch.world}: encode failed (another rank died or hung?): "
+                  + (str(e).strip().splitlines() or [type(e).__name__])[0], file=sys.stderr)
+            return 1
+        finally:
+            dist.shutdown()
+    if not lead:
+        return preempt.EXIT_PREEMPTED if r["stopped_by"] else 0
     if r["stopped_by"]:
         total = r["shape"][0] // (2 if r["flip"] else 1)       # the images; rows hold their flips too
         print(f"autohc encode: {r['stopped_by']} at image {r['done']} of {total}: stopped, the rows so far "
@@ -88,14 +115,15 @@ def cmd_encode(args) -> int:
         if args.json:
             print(json.dumps(r, indent=2))
         return preempt.EXIT_PREEMPTED
+    ranks = f" over {launch.world} ranks ({launch.launcher})" if launch.world > 1 else ""
     if args.json:
         print(json.dumps(r, indent=2))
     elif r["new_images"] == 0:
         print(f"autohc: {args.out} already holds all {r['images']} latents")
     else:
-        print(f"autohc: {r['new_images']} images encoded in {r['seconds']:.1f} s ({r['images_per_s']:.1f} images/s); "
-              f"{r['images']} latents {tuple(r['shape'][1:])} of {len(r['classes'])} classes in {args.out}; "
-              f"train with --data latents:{args.out}")
+        print(f"autohc: {r['new_images']} images encoded in {r['seconds']:.1f} s ({r['images_per_s']:.1f} images/s"
+              f"{ranks}); {r['images']} latents {tuple(r['shape'][1:])} of {len(r['classes'])} classes in "
+              f"{args.out}; train with --data latents:{args.out}")
     return 0
 
 

@@ -15,6 +15,8 @@ posterior draw has its own seed (vae.encode), so a run that was stopped and star
 (`done` rows kept) gives the same file as one that was not. `data.latents` reads it back.
 A stop signal (`stop`, runtime/preempt.StopSignals) ends the run after the batch in flight
 (its rows and `done` written); the summary's "stopped_by" names the signal.
+Under torchrun, mpirun or srun (a process group) the ranks share the batches round-robin and
+write one file, the same as one process's (encode_folder); a resume may use another world size.
 """
 from __future__ import annotations
 
@@ -88,12 +90,119 @@ def _vae_ref(spec: str) -> str:
     return str(p.resolve()) if p.exists() else spec
 
 
+class Elsewhere(InputError):
+    """Another rank's error (or, on rank 0, the one it names): every rank stops with exit 2,
+    rank 0 alone says why."""
+
+
+def _gather(obj) -> list:
+    """obj of every rank, in rank order (this process's alone outside a process group). Over
+    MPI under an MPI launcher: a gloo worker thread that drops a Python tensor of
+    all_gather_object while the interpreter exits aborts the process (seen under mpirun)."""
+    import torch.distributed as tdist
+    from ..runtime import dist
+    if not tdist.is_initialized() or tdist.get_world_size() == 1:
+        return [obj]
+    if dist.comm_over_mpi():
+        from mpi4py import MPI
+        return MPI.COMM_WORLD.allgather(obj)
+    out = [None] * tdist.get_world_size()
+    tdist.all_gather_object(out, obj)
+    return out
+
+
+def _place() -> tuple[int, int]:
+    import torch.distributed as tdist
+    return (tdist.get_rank(), tdist.get_world_size()) if tdist.is_initialized() else (0, 1)
+
+
+def _agree(rank: int, error: BaseException | None, errors: list) -> None:
+    """Every rank raises when any rank failed: rank 0 its own error (or an Elsewhere naming the
+    first rank that failed), the other ranks an Elsewhere (quiet)."""
+    bad = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if not bad:
+        return
+    if rank == 0 and error is not None:
+        raise error
+    r, text = bad[0]
+    raise Elsewhere(text if r == 0 else f"rank {r} of {len(errors)}: {text}")
+
+
 def encode_folder(root: str | Path, vae_spec: str, out: str | Path, *, image_size: int | None = None,
                   flip: bool = False, batch: int = 16, seed: int = 0,
                   log: Callable[[str], None] | None = None, progress: bool = True, stop=None) -> dict:
     """Encode root's class images into out (resuming a stopped run there); a summary.
-    stop: a preempt.StopSignals looked at after each batch."""
+    stop: a preempt.StopSignals looked at after each batch (each round, over ranks).
+
+    In a process group (autohc encode under torchrun, mpirun, srun) the batches are fixed
+    (batch k = files[k*B:(k+1)*B]) and drawn round-robin: in a round every rank encodes one
+    batch (or none, at the end) into the shared latents.npy, then all join one collective
+    (stop signals, errors) and rank 0 records `done`; the file is the same as one process's."""
     root, out = Path(root), Path(out)
+    rank, world = _place()
+    error, done = None, 0
+    try:
+        settings, files, vae, size, mode, shape = _setup(root, vae_spec, image_size, flip, batch, seed)
+        if rank == 0:
+            done = _open_out(out, settings, files, flip, shape)
+    except Exception as e:          # noqa: BLE001 - one rank's error stops every rank (_agree)
+        if world == 1:
+            raise
+        error, settings = e, None
+    if world > 1:
+        states = _gather((None if error is None else str(error), settings, done))
+        _agree(rank, error, [e for e, _, _ in states])
+        _agree(rank, None, [f"other inputs than rank 0's (differ in {', '.join(d)})" if d else None
+                            for d in ([k for k in s if states[0][1].get(k) != s[k]] for _, s, _ in states)])
+        done = states[0][2]
+    n = len(files)
+    rows = 2 * n if flip else n
+    meta_path = out / "meta.json"
+    if done >= n:
+        return {**settings, "done": n, "images": rows, "new_images": 0, "seconds": 0.0,
+                "images_per_s": 0.0, "out": str(out), "stopped_by": None}
+    latents = np.load(out / "latents.npy", mmap_mode="r+")
+    if done and log:
+        log(f"autohc encode: resuming {out} at image {done} of {n}")
+    t0, new, stopped_by = time.perf_counter(), 0, None
+    tty = sys.stderr.isatty()
+    batches = -(-n // batch)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    with Progress(TextColumn("encode"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  TextColumn("{task.fields[rate]}"), disable=not (progress and tty),
+                  console=Console(stderr=True)) as bar:
+        task = bar.add_task("encode", total=n, completed=done, rate="")
+        for first in range(done // batch, batches, world):          # a round: one batch per rank
+            k, error = first + rank, None
+            if k < batches:
+                try:
+                    _encode_batch(vae, files, k * batch, batch, size, mode, seed, flip, latents)
+                except Exception as e:  # noqa: BLE001 - as above
+                    if world == 1:
+                        raise
+                    error = e
+            states = _gather((None if error is None else str(error), stop.requested if stop is not None else None))
+            _agree(rank, error, [e for e, _ in states])
+            before, done = done, min(n, (first + world) * batch)    # all rows below are on disk
+            new += (done - before) * (2 if flip else 1)
+            if rank == 0:
+                _write_json(meta_path, {**settings, "done": done, "complete": done == n})
+            rate = new / (time.perf_counter() - t0)
+            bar.update(task, completed=done, rate=f"{rate:.1f} images/s")
+            if log and not tty and progress and (done == n or done // batch // 10 > before // batch // 10):
+                log(f"autohc encode: {done}/{n} images · {rate:.1f} images/s")
+            stopped_by = next((s for _, s in states if s), None)
+            if stopped_by and done < n:
+                break
+    dt = time.perf_counter() - t0
+    return {**settings, "done": done, "images": rows, "new_images": new, "seconds": dt,
+            "images_per_s": new / dt if dt else 0.0, "out": str(out),
+            "stopped_by": stopped_by if done < n else None}
+
+
+def _setup(root: Path, vae_spec: str, image_size, flip: bool, batch: int, seed: int):
+    """(settings, files, vae, image side, PIL mode, latents' shape); InputError for bad inputs."""
     if batch < 1:
         raise InputError(f"--batch must be >= 1, got {batch}")
     try:
@@ -108,64 +217,48 @@ def encode_folder(root: str | Path, vae_spec: str, out: str | Path, *, image_siz
         raise InputError(f"--vae {vae_spec}: {vae.config.in_channels} input channels; encode takes "
                          "1 (grey) or 3 (RGB)")
     n = len(files)
-    rows = 2 * n if flip else n
-    shape = (rows, vae.config.latent_channels, size // factor, size // factor)
+    shape = (2 * n if flip else n, vae.config.latent_channels, size // factor, size // factor)
     settings = {"format": FORMAT, "classes": classes, "vae": _vae_ref(vae_spec),
                 "scaling_factor": vaelib.scaling_factor(vae), "image_size": size, "flip": flip,
                 "seed": seed, "shape": list(shape), "inputs": _fingerprint(files), "source": str(root.resolve())}
+    return settings, files, vae, size, mode, shape
+
+
+def _open_out(out: Path, settings: dict, files, flip: bool, shape) -> int:
+    """Checks out's meta.json against settings (rows done so far), or creates the folder:
+    labels.npy, latents.npy (zeros) and meta.json with done 0. Rank 0's job."""
     meta_path = out / "meta.json"
-    done = 0
     if meta_path.is_file():
         old = json.loads(meta_path.read_text())
         diff = [k for k in settings if old.get(k) != settings[k]]
         if diff:
             raise InputError(f"{out} holds latents of another encode (differs in {', '.join(diff)}): "
                              "pass another --out")
-        done = int(old.get("done", 0))
-        latents = np.load(out / "latents.npy", mmap_mode="r+")
-    else:
-        if out.exists() and any(out.iterdir()):
-            raise InputError(f"{out}: exists and is not an encode's folder: pass a new or empty --out")
-        out.mkdir(parents=True, exist_ok=True)
-        labels = np.array([label for _, label in files] * (2 if flip else 1), dtype=np.int64)
-        np.save(out / ".labels.npy.tmp.npy", labels)
-        os.replace(out / ".labels.npy.tmp.npy", out / "labels.npy")
-        latents = np.lib.format.open_memmap(out / "latents.npy", mode="w+", dtype=np.float32, shape=shape)
-        _write_json(meta_path, {**settings, "done": 0, "complete": False})
-    if done >= n:
-        return {**settings, "done": n, "images": rows, "new_images": 0, "seconds": 0.0,
-                "images_per_s": 0.0, "out": str(out), "stopped_by": None}
-    if done and log:
-        log(f"autohc encode: resuming {out} at image {done} of {n}")
-    t0, new = time.perf_counter(), 0
-    tty = sys.stderr.isatty()
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-    with Progress(TextColumn("encode"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                  TextColumn("{task.fields[rate]}"), disable=not (progress and tty),
-                  console=Console(stderr=True)) as bar:
-        task = bar.add_task("encode", total=n, completed=done, rate="")
-        for start in range(done, n, batch):
-            part = files[start:start + batch]
-            x = _load_batch(part, size, mode)
-            idx = list(range(start, start + len(part)))
-            latents[start:start + len(part)] = vaelib.encode(vae, x, [seed * 1_000_003 + i for i in idx]).numpy()
-            if flip:
-                latents[n + start:n + start + len(part)] = vaelib.encode(
-                    vae, x.flip(-1), [seed * 1_000_003 + n + i for i in idx]).numpy()
-            latents.flush()             # the rows reach the file before `done` says so
-            done, new = start + len(part), new + len(part) * (2 if flip else 1)
-            _write_json(meta_path, {**settings, "done": done, "complete": done == n})
-            rate = new / (time.perf_counter() - t0)
-            bar.update(task, completed=done, rate=f"{rate:.1f} images/s")
-            if log and not tty and progress and (done == n or (done // batch) % 10 == 0):
-                log(f"autohc encode: {done}/{n} images · {rate:.1f} images/s")
-            if stop is not None and stop.requested and done < n:
-                break
-    dt = time.perf_counter() - t0
-    return {**settings, "done": done, "images": rows, "new_images": new, "seconds": dt,
-            "images_per_s": new / dt if dt else 0.0, "out": str(out),
-            "stopped_by": stop.requested if stop is not None and done < n else None}
+        return int(old.get("done", 0))
+    if out.exists() and any(out.iterdir()):
+        raise InputError(f"{out}: exists and is not an encode's folder: pass a new or empty --out")
+    out.mkdir(parents=True, exist_ok=True)
+    labels = np.array([label for _, label in files] * (2 if flip else 1), dtype=np.int64)
+    np.save(out / ".labels.npy.tmp.npy", labels)
+    os.replace(out / ".labels.npy.tmp.npy", out / "labels.npy")
+    del labels
+    np.lib.format.open_memmap(out / "latents.npy", mode="w+", dtype=np.float32, shape=shape).flush()
+    _write_json(meta_path, {**settings, "done": 0, "complete": False})
+    return 0
+
+
+def _encode_batch(vae, files, start: int, batch: int, size: int, mode: str, seed: int, flip: bool,
+                  latents) -> None:
+    """Batch files[start:start+batch] (and its flips, rows n+...) into latents, flushed."""
+    n = len(files)
+    part = files[start:start + batch]
+    x = _load_batch(part, size, mode)
+    idx = list(range(start, start + len(part)))
+    latents[start:start + len(part)] = vaelib.encode(vae, x, [seed * 1_000_003 + i for i in idx]).numpy()
+    if flip:
+        latents[n + start:n + start + len(part)] = vaelib.encode(
+            vae, x.flip(-1), [seed * 1_000_003 + n + i for i in idx]).numpy()
+    latents.flush()             # the rows reach the file before `done` says so
 
 
 def _load_batch(part: list[tuple[Path, int]], size: int, mode: str) -> torch.Tensor:
