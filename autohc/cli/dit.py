@@ -402,9 +402,8 @@ def _run_trainer(trainer, args, launch) -> int:
     except RuntimeError as e:
         if launch.world == 1:
             raise
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"autohc: rank {launch.rank} of {launch.world}: a data-parallel step failed "
-              f"(another rank died or hung?): {first}", file=sys.stderr)
+        from ..runtime import dist
+        print(f"autohc: {dist.peer_failure(launch, 'a data-parallel step', e)}", file=sys.stderr)
         return 1
     finally:                            # helper threads (and the file tier's folder) go
         if trainer.comm_hook is not None:

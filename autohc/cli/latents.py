@@ -101,8 +101,7 @@ def cmd_encode(args) -> int:
         except RuntimeError as e:           # a collective that failed: one line per rank
             if launch.world == 1:
                 raise
-            print(f"autohc: rank {launch.rank} of {launch.world}: encode failed (another rank died or hung?): "
-                  + (str(e).strip().splitlines() or [type(e).__name__])[0], file=sys.stderr)
+            print(f"autohc: {dist.peer_failure(launch, 'encode', e)}", file=sys.stderr)
             return 1
         finally:
             dist.shutdown()

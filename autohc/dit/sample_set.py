@@ -424,9 +424,7 @@ def command(args, *, kernels: Callable, fused_ops: Callable) -> int:
         except RuntimeError as e:       # a collective that failed: one line per rank
             if launch.world == 1:
                 raise
-            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            print(f"autohc: rank {launch.rank} of {launch.world}: sampling failed (another rank died "
-                  f"or hung?): {why}", file=sys.stderr)
+            print(f"autohc: {dist.peer_failure(launch, 'sampling', e)}", file=sys.stderr)
             return 1
         finally:
             dist.shutdown()

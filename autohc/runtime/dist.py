@@ -134,7 +134,7 @@ def init(launch: Launch | None = None) -> Launch:
             dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=launch.rank,
                                     world_size=launch.world, timeout=timeout)
     except (RuntimeError, ValueError, OSError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         raise LaunchError(f"rank {launch.rank} of {launch.world} could not join the process group "
                           f"at {addr}:{port} ({launch.launcher}): {first}") from None
     return Launch(launch.rank, launch.world, launch.local_rank, launch.launcher, addr, port)
@@ -153,6 +153,18 @@ def _restart_store(addr: str, port: int, world: int, timeout):
     return PrefixStore(f"autohc/attempt_{attempt}", client)
 
 
+def first_line(e: BaseException) -> str:
+    """An error's first line (its type where it says nothing): gloo's errors run to many."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def peer_failure(launch: Launch, what: str, e: BaseException) -> str:
+    """The one line a rank prints when a collective of `what` failed under it."""
+    return (f"rank {launch.rank} of {launch.world}: {what} failed (another rank died or hung?): "
+            f"{first_line(e)}")
+
+
 def shutdown() -> None:
     import torch.distributed as dist
     if dist.is_initialized():
@@ -161,13 +173,7 @@ def shutdown() -> None:
 
 def average(value: float) -> float:
     """The mean of a float over the ranks (the logged loss of a data-parallel step)."""
-    import torch
-    import torch.distributed as dist
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t)
-    return float(t.item()) / dist.get_world_size()
+    return average_with_flags(value, ())[0]
 
 
 def average_with_flags(value: float, flags) -> list:
