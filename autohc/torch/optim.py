@@ -77,7 +77,8 @@ class AdamW(torch.optim.Optimizer):
                        for x in tensors) and p.numel() > 0:
                     e = ema.get(p)
                     if e is not None and e.is_contiguous() and e.device.type == "cpu":
-                        tensors, _ = (*tensors, e), ema_done.add(p)
+                        tensors = (*tensors, e)
+                        ema_done.add(p)
                     by_step.setdefault((float(st["step"]), len(tensors) == 5), []).append(tensors)
                 else:
                     slow.append(p)
