@@ -16,13 +16,13 @@ from .build import BuildError, CompilerNotFoundError
 from .kernels.gemm import GemmParams, ParamError, default_params
 
 __version__ = "0.1.0"
-__all__ = ["matmul", "install", "uninstall", "installed", "is_installed", "GemmParams", "GemmKernel", "get_kernel", "default_params",
+__all__ = ["matmul", "install", "uninstall", "installed", "is_installed", "frozen", "GemmParams", "GemmKernel", "get_kernel", "default_params",
            "ParamError", "BuildError", "CompilerNotFoundError", "KernelError", "__version__"]
 
 _LAZY = {"matmul": "kernels.gemm.matmul", "GemmKernel": "kernels.gemm.kernel",
          "KernelError": "kernels.gemm.kernel", "get_kernel": "kernels.gemm.kernel",
          "install": "torch.dispatch", "uninstall": "torch.dispatch", "installed": "torch.dispatch",
-         "is_installed": "torch.dispatch"}
+         "is_installed": "torch.dispatch", "frozen": "torch.frozen"}
 
 
 def __getattr__(name):

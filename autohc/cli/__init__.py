@@ -387,10 +387,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("encode", "convert"):
             from . import latents
             return (latents.cmd_encode if args.command == "encode" else latents.cmd_convert)(args)
-        if args.command in ("train", "sample", "eval", "compare") or getattr(args, "what", None) == "step":
+        if args.command in ("train", "sample", "eval", "compare") or getattr(args, "what", None) in ("step", "sample"):
             from . import dit as commands
+            bench_cmd = commands.cmd_bench_sample if getattr(args, "what", None) == "sample" else commands.cmd_bench_step
             run = {"train": commands.cmd_train, "sample": commands.cmd_sample, "eval": commands.cmd_eval,
-                   "compare": commands.cmd_compare}.get(args.command, commands.cmd_bench_step)
+                   "compare": commands.cmd_compare}.get(args.command, bench_cmd)
             return run(args)
     except KeyboardInterrupt:
         print("autohc: interrupted", file=sys.stderr)

@@ -16,6 +16,7 @@ from .argtypes import (non_negative_int, output_dir, output_file, positive_float
 # (autohc train sets torch's OpenMP spin before torch loads); a test keeps the two equal
 STEP_MODES = ("stock", "compiled", "autohc", "autohc+compile",
               "stock-bf16", "compiled-bf16", "autohc-bf16", "autohc-bf16+compile")
+SAMPLE_MODES = ("diffusers", "diffusers-bf16", "diffusers-bf16+compile", "autohc", "autohc-bf16")
 STEP_BF16_MODES = ("stock", "stock-bf16", "compiled-bf16", "autohc-bf16", "autohc-bf16+compile")
 
 TRAIN_EPILOG = """examples:
@@ -58,6 +59,23 @@ def _sampling_args(p, *, steps_alias: bool = False) -> None:
                    help="classifier-free guidance scale; 1 = none (default: 2)")
 
 
+def _precision_arg(p) -> None:
+    """--precision of the commands that sample (sample, eval, compare)."""
+    p.add_argument("--precision", default="auto", choices=["fp32", "bf16", "auto"],
+                   help="the model's forward in fp32, or bf16 under torch.autocast (bf16 GEMMs on "
+                        "weights rounded once for the whole run, fp32 sums; the DDIM/DDPM update in "
+                        "fp32); auto (default): bf16 where the CPU multiplies bf16 in hardware (AMX, "
+                        "AVX512_BF16), else fp32. A line on stderr says which ran and why")
+
+
+def _sampling_precision(args) -> str:
+    """--precision resolved, said on stderr: 'fp32' or 'bf16'."""
+    from ..dit import precision
+    chosen, why = precision.resolve(args.precision)
+    print(f"autohc: sampling precision {chosen}: {why}", file=sys.stderr)
+    return chosen
+
+
 def _eval_args(p) -> None:
     """What eval and compare sample and score with."""
     p.add_argument("--per-class", type=positive_int, default=100, help="samples per class (default: 100)")
@@ -68,6 +86,7 @@ def _eval_args(p) -> None:
     p.add_argument("--vae", default=None, metavar="PATH_OR_ID",
                    help="a latent model's VAE, if not where the checkpoint says")
     _sampling_args(p, steps_alias=True)
+    _precision_arg(p)
 
 
 def add_parsers(sub, bsub) -> None:
@@ -113,11 +132,12 @@ def add_parsers(sub, bsub) -> None:
                         "on to the next one (the last one must be written either way)")
     t.add_argument("--no-autohc", action="store_true", help="stock torch kernels and torch.optim.AdamW")
     t.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "auto"],
-                   help="fp32 (default), or bf16 mixed precision: the forward under "
+                   help="fp32 (default); auto: bf16 where the CPU multiplies bf16 in hardware (AMX, "
+                        "AVX512_BF16), else fp32; bf16: mixed precision, the forward under "
                         "torch.autocast('cpu', bfloat16) (bf16 GEMMs and attention, fp32 sums), "
-                        "master weights, AdamW and EMA in fp32, checkpoints as for fp32; auto: bf16 "
-                        "where the CPU multiplies bf16 in hardware (AMX, AVX512_BF16), else fp32. "
-                        "The log says which ran and why")
+                        "master weights, AdamW and EMA in fp32, checkpoints as for fp32 (the digits "
+                        "check found it equal to fp32: docs/training.md); fp32: everything in fp32. "
+                        "The log says which ran and why; the end-of-run samples use the same")
     t.add_argument("--no-comm-thread", action="store_true",
                    help="data parallel: all-reduce on gloo's own threads instead of autohc's "
                         "communication thread (pinned to the CPU plan's comm core; MPI under mpirun)")
@@ -220,6 +240,7 @@ exit codes: 0 done, 1 error, 2 bad input / another set's --out / a shard not wri
     s.add_argument("--vae", default=None, metavar="PATH_OR_ID",
                    help="a latent model's VAE, if not where the checkpoint says (its folder or hub id)")
     _sampling_args(s, steps_alias=True)
+    _precision_arg(s)
     s.set_defaults(cfg=None)            # 2; a set from a model without label dropout: 1
 
     e = sub.add_parser("eval", help="digits quality: class match and Fréchet distance of samples",
@@ -247,6 +268,39 @@ exit codes: 0 done, 1 error, 2 bad input / another set's --out / a shard not wri
     c.add_argument("--out", default=None, type=output_file, help="plot path (default: compare.png in the last run's folder)")
     _eval_args(c)
     add_save_argument(c)
+
+    bs = bsub.add_parser("sample", formatter_class=argparse.RawDescriptionHelpFormatter,
+                         help="DiT sampling: diffusers' DiTTransformer2DModel (eager, autocast, compiled) vs autohc",
+                         description="Seconds per image and images/s of class-conditional DiT sampling (DDIM,\n"
+                                     "classifier-free guidance: the doubled batch) on random weights, 4-channel\n"
+                                     "latents, 1000 classes: diffusers' DiTTransformer2DModel as users run it (fp32\n"
+                                     "eager, under torch.autocast bf16, and torch.compile mode=max-autotune with\n"
+                                     "inductor's freezing under autocast) against autohc's DiT on the same weights\n"
+                                     "(fp32, and bf16 with weights rounded once: what `autohc sample` runs).\n"
+                                     "One sample is one sampler step of a batch (guided forward + fp32 DDIM update),\n"
+                                     "the modes interleaved; seconds per image = step x --sample-steps / batch. Each\n"
+                                     "bf16 mode's eps is compared with its fp32 form's on the same inputs.",
+                         epilog="examples:\n  autohc bench sample --model DiT-S/2 --batch 8\n"
+                                "  autohc bench sample --model DiT-XL/2 --batch 4 --modes diffusers-bf16 autohc-bf16\n"
+                                "  autohc bench sample --model DiT-XL/2 --save")
+    bs.add_argument("--model", default="DiT-S/2", choices=list(MODELS), metavar="NAME",
+                    help=f"one of {models} (default: DiT-S/2)")
+    bs.add_argument("--batch", type=positive_int, default=8, help="images per batch (default: 8; the model sees 2x)")
+    bs.add_argument("--image-size", type=positive_int, default=32, help="latent size (default: 32 = 256px)")
+    bs.add_argument("--samples", type=positive_int, default=5, help="timed steps per mode (default: 5)")
+    bs.add_argument("--warmup", type=non_negative_int, default=1,
+                    help="untimed steps first (default: 1; the compiled mode compiles in it)")
+    bs.add_argument("--sample-steps", type=sampling_steps, default=50,
+                    help="DDIM steps an image takes, for seconds per image (default: 50)")
+    bs.add_argument("--cfg", type=positive_float, default=4.0, help="guidance scale (default: 4.0)")
+    bs.add_argument("--modes", nargs="+", choices=list(SAMPLE_MODES), default=None,
+                    help="what to run (default: all: " + ", ".join(SAMPLE_MODES) + ")")
+    bs.add_argument("--threads", type=positive_int, default=None, help="threads (default: every usable CPU)")
+    bs.add_argument("--no-first-use-tuning", action="store_true",
+                    help="run the default GEMM kernels where the registry has no entry (default: tune "
+                         "new GEMM problems on first use, in the warm-up step and between steps)")
+    bs.add_argument("--json", action="store_true", help="one JSON object")
+    add_save_argument(bs)
 
     b = bsub.add_parser("step", formatter_class=argparse.RawDescriptionHelpFormatter,
                         help="one DiT training step: stock torch vs torch.compile vs autohc",
@@ -316,11 +370,13 @@ def _sample_steps(args) -> int:
     return args.sample_steps or GaussianDiffusion().default_steps(args.sampler)
 
 
-def _generate(model, arch, classes, per_class: int, args, progress: bool):
-    """Samples of `classes` with the sampler, steps, guidance and seed the command was given."""
+def _generate(model, arch, classes, per_class: int, args, progress: bool, precision: str):
+    """Samples of `classes` with the sampler, steps, guidance and seed the command was given,
+    the forward in `precision` (resolved: fp32 or bf16)."""
     from ..dit.sample import generate
     return generate(model, arch, classes, per_class=per_class, sampler=args.sampler,
-                    steps=_sample_steps(args), cfg=args.cfg, seed=args.seed, progress=progress)
+                    steps=_sample_steps(args), cfg=args.cfg, seed=args.seed, progress=progress,
+                    precision=precision)
 
 
 def cmd_train(args) -> int:
@@ -435,7 +491,7 @@ def _run_trainer(trainer, args, launch) -> int:
     if args.samples_per_class:
         classes = list(range(min(10, trainer.data.num_classes)))
         x, _ = _generate(trainer.ema.eval(), trainer.arch, classes, args.samples_per_class, args,
-                         progress=not args.no_progress)
+                         progress=not args.no_progress, precision=trainer.precision)
         from ..dit.sample import decode_latents
         save_grid(decode_latents(x, trainer.arch), len(classes), out / "samples.png")
         wrote.append(out / "samples.png")
@@ -470,7 +526,8 @@ def cmd_sample(args) -> int:
     model, arch, path = load_model(args.ckpt, ema=not args.raw, fused_ops=_fused_ops(args))
     classes = args.classes if args.classes is not None else list(range(min(10, arch["num_classes"])))
     with _kernels(args):
-        x, _ = _generate(model, arch, classes, args.per_class or 8, args, progress=True)
+        x, _ = _generate(model, arch, classes, args.per_class or 8, args, progress=True,
+                         precision=_sampling_precision(args))
     save_grid(decode_latents(x, arch, args.vae), len(classes), out)
     if args.json:
         print(json.dumps({"out": out, "samples": len(x), "ckpt": str(path)}))
@@ -490,13 +547,16 @@ def _eval_digits(ckpt, args, progress: bool) -> dict:
         raise ValueError(f"{path}: autohc eval checks digits models (1 x 8 x 8 images, or their latents; "
                          f"10 classes); this one makes {size} x {size} "
                          f"{'images through a VAE' if latent else 'images'}, {arch['num_classes']} classes")
+    prec = _sampling_precision(args)
     with _kernels(args):
-        x, y = _generate(model, arch, list(range(10)), args.per_class, args, progress=progress)
+        x, y = _generate(model, arch, list(range(10)), args.per_class, args, progress=progress,
+                         precision=prec)
     x = decode_latents(x, arch, args.vae)
     if tuple(x.shape[1:]) != (1, 8, 8):
         raise ValueError(f"{path}: the VAE decodes to {tuple(x.shape[1:])}, not 1 x 8 x 8 digits")
     r = evaluate_digits(x, y)
-    r.update(ckpt=str(path), sampler=args.sampler, sample_steps=_sample_steps(args), cfg=args.cfg)
+    r.update(ckpt=str(path), sampler=args.sampler, sample_steps=_sample_steps(args), cfg=args.cfg,
+             sampling_precision=prec)
     return r
 
 
@@ -540,6 +600,34 @@ def cmd_compare(args) -> int:
         print(f"smoothed loss curves ({summary['smoothing_steps']} steps) within "
               f"{100 * summary['smoothed_loss_max_rel_diff']:.1f} % of the first run's over "
               f"{summary['common_steps']} steps; plot: {summary['plot']}")
+    return 0
+
+
+def cmd_bench_sample(args) -> int:
+    from ..bench.sample import bench_sample
+    rec = recorder("sample", args)
+    modes = args.modes or list(SAMPLE_MODES)
+    r = bench_sample(args.model, args.batch, image_size=args.image_size, samples=args.samples,
+                     warmup=args.warmup, sample_steps=args.sample_steps, cfg=args.cfg, modes=modes,
+                     threads=args.threads, first_use_tuning=not args.no_first_use_tuning,
+                     progress=lambda m: print(m, file=sys.stderr, flush=True))
+    if rec is not None:
+        print(f"autohc: result saved to {rec.save(r, threads=r['threads'])}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(r, indent=2))
+        return 0
+    print(f"{r['model']} batch {r['batch']} (x2 with guidance {r['cfg']:g}), {r['threads']} threads, "
+          f"bf16 unit {r['bf16_unit']}; median of {r['timed']} sampler steps, an image = "
+          f"{r['sample_steps']} steps:")
+    for m in modes:
+        d = r["max_rel_eps_diff"][m]
+        print(f"  {m:24s} {r['step_s'][m]:7.3f} s/step ±{r['spread_pct'][m]:4.1f}%  {r['s_per_image'][m]:8.2f} s/image  "
+              f"{r['images_per_s'][m]:7.3f} images/s"
+              + (f"  eps vs {r['eps_reference'][m]}: {d:.1e}" if d is not None else ""))
+    for k, v in r["speedups"].items():
+        print(f"  {k}: {v:.2f}x")
+    if r.get("first_use_race_s"):
+        print(f"  first-use tuning: {r['first_use_race_s']:.1f} s of races, untimed")
     return 0
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from .diffusion import GaussianDiffusion
+from .precision import autocast
 from .train import build_model
 
 
@@ -27,25 +28,30 @@ def load_model(ckpt: str | Path, *, ema: bool = True, fused_ops=None):
     return model, w.arch, Path(w.source)
 
 
-def guided_eps(model, arch: dict, y: torch.Tensor, cfg: float):
+def guided_eps(model, arch: dict, y: torch.Tensor, cfg: float, precision: str = "fp32"):
     """eps_fn(x, t) of the diffusion sampler for labels y: classifier-free guidance at scale cfg
     (the batch doubled: conditional and null class) where the model learned a null class
-    (label dropout), else the conditional model alone."""
+    (label dropout), else the conditional model alone. precision "bf16": the model under
+    torch.autocast bf16 (dit/precision.py), its eps handed back in fp32, so that the sampler's
+    update (DDIM, DDPM) stays fp32."""
     C = arch["in_channels"]
+    guided = cfg != 1.0 and arch["class_dropout"] > 0
 
     def eps_fn(x, t):
-        if cfg == 1.0 or arch["class_dropout"] <= 0:
-            return model(x, t, y)[:, :C]
-        return model.forward_with_cfg(x, t, y, cfg)[:, :C]
+        with autocast(precision):
+            out = model.forward_with_cfg(x, t, y, cfg) if guided else model(x, t, y)
+        return out[:, :C].float()
     return eps_fn
 
 
 @torch.no_grad()
 def generate(model, arch: dict, classes: list[int], *, per_class: int = 8, sampler: str = "ddim",
              steps: int | None = None, cfg: float = 4.0, seed: int = 0,
-             progress: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+             progress: bool = False, precision: str = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
     """Samples (len(classes) * per_class, C, H, W) and their requested labels, class-major.
-    steps: None is the sampler's default (DDIM 50, DDPM all 1000)."""
+    steps: None is the sampler's default (DDIM 50, DDPM all 1000). precision: "fp32" or
+    "bf16" (the model's forward under autocast, the sampler in fp32; resolve "auto" with
+    precision.resolve first)."""
     bad = [c for c in classes if not 0 <= c < arch["num_classes"]]
     if bad:
         raise ValueError(f"classes {bad} out of range: this model has classes 0..{arch['num_classes'] - 1}")
@@ -54,19 +60,23 @@ def generate(model, arch: dict, classes: list[int], *, per_class: int = 8, sampl
     diffusion = GaussianDiffusion()
     y = torch.tensor(classes, dtype=torch.long).repeat_interleave(per_class)
     shape = (len(y), arch["in_channels"], arch["input_size"], arch["input_size"])
-    eps_fn = guided_eps(model, arch, y, cfg)
+    eps_fn = guided_eps(model, arch, y, cfg, precision)
     g = torch.Generator().manual_seed(seed)
     total = diffusion.default_steps(sampler) if steps is None else steps
+    from ..torch.frozen import frozen
+    with frozen(model):                 # bf16: each weight rounded once for the whole run
+        return _sample(diffusion, eps_fn, shape, sampler, steps, g, arch, total, progress), y
+
+
+def _sample(diffusion, eps_fn, shape, sampler, steps, g, arch, total, progress):
     if progress:
         from rich.console import Console
         from rich.progress import Progress
         with Progress(transient=True, console=Console(stderr=True)) as bar:
             task = bar.add_task("sampling", total=total)
-            x = diffusion.sample(eps_fn, shape, sampler=sampler, steps=steps, generator=g,
-                                 clip=arch["images"], progress=lambda: bar.advance(task))
-    else:
-        x = diffusion.sample(eps_fn, shape, sampler=sampler, steps=steps, generator=g, clip=arch["images"])
-    return x, y
+            return diffusion.sample(eps_fn, shape, sampler=sampler, steps=steps, generator=g,
+                                    clip=arch["images"], progress=lambda: bar.advance(task))
+    return diffusion.sample(eps_fn, shape, sampler=sampler, steps=steps, generator=g, clip=arch["images"])
 
 
 def decode_latents(x: torch.Tensor, arch: dict, vae_spec: str | None = None) -> torch.Tensor:

@@ -68,6 +68,7 @@ class Settings:
     classes: list[int] | None   # None: all of the model's
     vae: str | None             # a latent model's VAE (None: pixel space)
     kernels: str                # autohc | torch
+    precision: str = "fp32"     # the model's forward: fp32 | bf16 (resolved; the sampler runs fp32)
 
     def meta(self) -> dict:
         return {"format": FORMAT, **asdict(self)}
@@ -114,7 +115,7 @@ def draw(model, arch: dict, s: Settings, indices: range, decode: Callable | None
     classes = s.classes if s.classes is not None else list(range(arch["num_classes"]))
     y, gens = labels_and_generators(indices, s.seed, classes)
     shape = (len(y), arch["in_channels"], arch["input_size"], arch["input_size"])
-    x = GaussianDiffusion().sample(guided_eps(model, arch, y, s.cfg), shape, sampler=s.sampler,
+    x = GaussianDiffusion().sample(guided_eps(model, arch, y, s.cfg, s.precision), shape, sampler=s.sampler,
                                    steps=s.steps, clip=arch["images"], generators=gens)
     if decode is not None:
         x = decode(x)
@@ -184,6 +185,7 @@ class Shards:
             try:
                 there = json.loads(meta.read_text())
                 assert isinstance(there, dict)
+                there.setdefault("precision", "fp32")       # (sets from before the setting)
             except (OSError, ValueError, AssertionError):
                 raise InputError(f"{meta}: not readable as a sample set's settings: remove {self.dir} "
                                  "or choose another --out") from None
@@ -380,7 +382,17 @@ def settings_from_args(args, w) -> Settings:
                     num=args.num or DEFAULT_NUM, per_batch=args.per_batch, seed=args.seed, sampler=args.sampler,
                     steps=args.sample_steps or GaussianDiffusion().default_steps(args.sampler), cfg=cfg,
                     classes=list(args.classes) if args.classes is not None else None,
-                    vae=args.vae or (latent or {}).get("vae"), kernels="torch" if args.no_autohc else "autohc")
+                    vae=args.vae or (latent or {}).get("vae"), kernels="torch" if args.no_autohc else "autohc",
+                    precision=sampling_precision(args))
+
+
+def sampling_precision(args) -> str:
+    """--precision resolved (dit/precision.py): "fp32" or "bf16"; InputError for a bad value."""
+    from . import precision
+    try:
+        return precision.resolve(getattr(args, "precision", None) or "fp32")[0]
+    except ValueError as e:
+        raise InputError(str(e)) from None
 
 
 def command(args, *, kernels: Callable, fused_ops: Callable) -> int:
@@ -419,7 +431,8 @@ def command(args, *, kernels: Callable, fused_ops: Callable) -> int:
             print(f"autohc: {e}", file=sys.stderr)
             return 1
         try:
-            with kernels():
+            from ..torch.frozen import frozen
+            with kernels(), frozen(model):      # bf16: each weight rounded once for the whole set
                 return _run(model, w.arch, s, out, decode, launch, stop, args, say)
         except RuntimeError as e:       # a collective that failed: one line per rank
             if launch.world == 1:
@@ -454,7 +467,7 @@ def _run(model, arch, s: Settings, out: Path, decode, launch, stop, args, say) -
         return 2
     found0 = shards.listed() if launch.rank == 0 else 0
     ranks = f" over {launch.world} ranks ({launch.launcher})" if launch.world > 1 else ""
-    say(f"autohc sample: {s.num} images of {s.ckpt} (step {s.step}, {s.sampler} {s.steps} steps, cfg {s.cfg:g}) "
+    say(f"autohc sample: {s.num} images of {s.ckpt} (step {s.step}, {s.sampler} {s.steps} steps, cfg {s.cfg:g}, {s.precision}) "
         f"in {shards.batches} batches of {s.per_batch}{ranks} -> {out}; shards in {shards.dir}"
         + (f"; {found0} images already there" if found0 else ""))
     progress = Progress(s.num, launch.rank == 0, say)

@@ -236,8 +236,11 @@ class Trainer:
             if had:
                 print(f"autohc: no loadable checkpoint in {self.out}; starting from step 0", file=sys.stderr)
             return None
-        old = resumed[1].get("config", {})
+        old = dict(resumed[1].get("config", {}))
         mine = asdict(cfg)
+        if "precision" in old:          # what ran there against what would run here: auto may be either
+            old["precision"] = resumed[1].get("precision") or precision.resolve(old["precision"])[0]
+            mine["precision"] = precision.resolve(mine["precision"])[0]
         diff = [k for k in RESUME_KEYS if k in old and mine[k] is not None and old[k] != mine[k]]
         if diff:
             raise ResumeError(f"--resume auto: {resumed[0]} was trained with "
