@@ -65,15 +65,13 @@ def _precision_arg(p) -> None:
                    help="the model's forward in fp32, or bf16 under torch.autocast (bf16 GEMMs on "
                         "weights rounded once for the whole run, fp32 sums; the DDIM/DDPM update in "
                         "fp32); auto (default): bf16 where the CPU multiplies bf16 in hardware (AMX, "
-                        "AVX512_BF16), else fp32. A line on stderr says which ran and why")
+                        "AVX512_BF16), else fp32. The summary line says which ran")
 
 
 def _sampling_precision(args) -> str:
-    """--precision resolved, said on stderr: 'fp32' or 'bf16'."""
+    """--precision resolved: 'fp32' or 'bf16' (the summary line says which ran)."""
     from ..dit import precision
-    chosen, why = precision.resolve(args.precision)
-    print(f"autohc: sampling precision {chosen}: {why}", file=sys.stderr)
-    return chosen
+    return precision.resolve(args.precision)[0]
 
 
 def _eval_args(p) -> None:
@@ -525,14 +523,15 @@ def cmd_sample(args) -> int:
     args.cfg = 2.0 if args.cfg is None else args.cfg
     model, arch, path = load_model(args.ckpt, ema=not args.raw, fused_ops=_fused_ops(args))
     classes = args.classes if args.classes is not None else list(range(min(10, arch["num_classes"])))
+    prec = _sampling_precision(args)
     with _kernels(args):
         x, _ = _generate(model, arch, classes, args.per_class or 8, args, progress=True,
-                         precision=_sampling_precision(args))
+                         precision=prec)
     save_grid(decode_latents(x, arch, args.vae), len(classes), out)
     if args.json:
-        print(json.dumps({"out": out, "samples": len(x), "ckpt": str(path)}))
+        print(json.dumps({"out": out, "samples": len(x), "ckpt": str(path), "precision": prec}))
     else:
-        print(f"autohc: {len(x)} samples from {path} -> {out}")
+        print(f"autohc: {len(x)} samples ({prec}) from {path} -> {out}")
     return 0
 
 
@@ -566,7 +565,8 @@ def cmd_eval(args) -> int:
     if args.json:
         print(json.dumps(r, indent=2))
     else:
-        print(f"{path}: {r['samples']} samples ({args.sampler}, {_sample_steps(args)} steps, cfg {args.cfg})\n"
+        print(f"{path}: {r['samples']} samples ({args.sampler}, {_sample_steps(args)} steps, cfg {args.cfg}, "
+              f"{r['sampling_precision']})\n"
               f"  classified as the class asked for: {100 * r['class_match']:.1f}%  "
               f"(per class: {', '.join(f'{k}: {100 * v:.0f}%' for k, v in r['per_class'].items())})\n"
               f"  Fréchet distance to the real digits: {r['frechet']:.3f}  "
