@@ -29,7 +29,6 @@ from . import timing
 from .step import mode_parts, synthetic_model
 
 MODES = ("diffusers", "diffusers-bf16", "diffusers-bf16+compile", "autohc", "autohc-bf16")
-DEFAULT_MODES = MODES
 BASELINES = ("diffusers-bf16", "diffusers-bf16+compile", "diffusers")
 
 
@@ -102,12 +101,10 @@ class _Mode:
 
     @contextlib.contextmanager
     def context(self):
-        from ..torch.frozen import frozen
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.no_grad())
             if self.on_autohc:
                 stack.enter_context(override.installed(**self.install_kw))
-                stack.enter_context(frozen(self.model))
             yield
 
     def step(self, diffusion: GaussianDiffusion, x, t, y, keep: bool) -> torch.Tensor:
@@ -130,7 +127,7 @@ class _Mode:
 
 
 def bench_sample(model: str = "DiT-S/2", batch: int = 4, *, image_size: int = 32, samples: int = 5,
-                 warmup: int = 1, sample_steps: int = 50, cfg: float = 4.0, modes=DEFAULT_MODES,
+                 warmup: int = 1, sample_steps: int = 50, cfg: float = 4.0, modes=MODES,
                  threads: int | None = None, first_use_tuning: bool = True, progress=None) -> dict:
     """Seconds per sampler step, per image and images/s of each mode (see the module doc)."""
     unknown = [m for m in modes if m not in MODES]
@@ -167,6 +164,13 @@ def _bench(model, batch, image_size, samples, warmup, sample_steps, cfg, modes, 
     x = torch.randn((batch, 4, image_size, image_size), generator=g)
     y = torch.randint(0, 1000, (batch,), generator=g)
     ts = torch.linspace(999, 0, warmup + samples).round().long()
+    from ..torch.frozen import frozen
+    with frozen(dit):                   # one block for the whole run: each weight rounded once
+        _steps(runs, diffusion, x, y, ts, warmup, samples, batch, say)
+    return _summary(runs, model, batch, image_size, cfg, sample_steps, samples, spent0)
+
+
+def _steps(runs, diffusion, x, y, ts, warmup, samples, batch, say):
     for i in range(warmup + samples):
         t = torch.full((batch,), int(ts[i]), dtype=torch.long)
         nxt = None
@@ -176,6 +180,9 @@ def _bench(model, batch, image_size, samples, warmup, sample_steps, cfg, modes, 
         x = nxt                         # every mode's next input: the first mode's step
         say(f"  step {i + 1}/{warmup + samples}{' (warm-up)' if i < warmup else ''}: "
             + ", ".join(f"{r.name} {r.times[-1]:.2f} s" if i >= warmup else r.name for r in runs))
+
+
+def _summary(runs, model, batch, image_size, cfg, sample_steps, samples, spent0) -> dict:
     by_name = {r.name: r for r in runs}
     diff, refs = {}, {}
     for r in runs:

@@ -65,18 +65,16 @@ def generate(model, arch: dict, classes: list[int], *, per_class: int = 8, sampl
     total = diffusion.default_steps(sampler) if steps is None else steps
     from ..torch.frozen import frozen
     with frozen(model):                 # bf16: each weight rounded once for the whole run
-        return _sample(diffusion, eps_fn, shape, sampler, steps, g, arch, total, progress), y
-
-
-def _sample(diffusion, eps_fn, shape, sampler, steps, g, arch, total, progress):
-    if progress:
-        from rich.console import Console
-        from rich.progress import Progress
-        with Progress(transient=True, console=Console(stderr=True)) as bar:
-            task = bar.add_task("sampling", total=total)
-            return diffusion.sample(eps_fn, shape, sampler=sampler, steps=steps, generator=g,
-                                    clip=arch["images"], progress=lambda: bar.advance(task))
-    return diffusion.sample(eps_fn, shape, sampler=sampler, steps=steps, generator=g, clip=arch["images"])
+        if progress:
+            from rich.console import Console
+            from rich.progress import Progress
+            with Progress(transient=True, console=Console(stderr=True)) as bar:
+                task = bar.add_task("sampling", total=total)
+                x = diffusion.sample(eps_fn, shape, sampler=sampler, steps=steps, generator=g,
+                                     clip=arch["images"], progress=lambda: bar.advance(task))
+        else:
+            x = diffusion.sample(eps_fn, shape, sampler=sampler, steps=steps, generator=g, clip=arch["images"])
+    return x, y
 
 
 def decode_latents(x: torch.Tensor, arch: dict, vae_spec: str | None = None) -> torch.Tensor:
