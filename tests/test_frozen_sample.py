@@ -74,3 +74,33 @@ def test_bench_sample_bad_mode():
     from autohc.bench.sample import bench_sample
     with pytest.raises(ValueError, match="unknown modes"):
         bench_sample("DiT-Ti/8", 1, modes=["nope"])
+
+
+@pytest.mark.skipif(not served.bf16_served(), reason="this CPU has no bf16 GEMM back-end")
+def test_frozen_packed_weights_equal_unfrozen_and_edits_are_repacked():
+    """frozen(packed=True): each weight packed once into its kernel's panels, the forward the
+    same bits as unfrozen (M past the skinny paths: the packed path reads the packing), an
+    in-place edit packed again, never served stale; without packed=True nothing is packed."""
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(160, 200)
+    x = torch.randn(300, 160)
+    with autohc.installed(first_use_tuning=False):
+        plain = _bf16_linear(lin, x)
+        packs = frozen_mod.stats["packs"]
+        with autohc.frozen(lin):
+            assert torch.equal(_bf16_linear(lin, x), plain)
+        assert frozen_mod.stats["packs"] == packs                # not asked for
+        with autohc.frozen(lin, packed=True):
+            a = _bf16_linear(lin, x)
+            b = _bf16_linear(lin, x)
+            took = frozen_mod.stats["packs"] - packs
+            assert took <= 1 and torch.equal(a, plain) and torch.equal(b, plain)
+            with torch.no_grad():
+                lin.weight.mul_(-3)
+            c = _bf16_linear(lin, x)
+            assert frozen_mod.stats["packs"] - packs == 2 * took
+        again = _bf16_linear(lin, x)
+    assert torch.equal(c, again) and not torch.equal(c, plain)
+    with pytest.raises(TypeError, match="packed"):
+        with autohc.frozen(lin, packed="yes"):
+            pass

@@ -404,17 +404,20 @@ def fresh_empty(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor
     return torch.empty(shape, dtype=dtype)
 
 
-def huge_page_copy(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of `t` (CPU, any dtype) in a new block as the pool makes them (from
-    HUGE_MIN_BYTES on a huge-page boundary, advised MADV_HUGEPAGE before the copy writes it;
-    the tail keeps 4 KB pages), but not the pool's: it lives as long as the tensor (its numpy
+def huge_page_empty(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An uninitialised contiguous tensor in a new block as the pool makes them (from
+    HUGE_MIN_BYTES on a huge-page boundary, advised MADV_HUGEPAGE before its first write; the
+    tail keeps 4 KB pages), but not the pool's: it lives as long as the tensor (its numpy
     array keeps the mapping)."""
-    nbytes = t.numel() * t.element_size()
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
     block, start = pool._new_block(nbytes)
     arr = np.frombuffer(block, dtype=np.uint8, count=nbytes, offset=start - _address(block))
-    out = torch.from_numpy(arr).view(t.dtype).view(t.shape)
-    out.copy_(t)
-    return out
+    return torch.from_numpy(arr).view(dtype).view(shape)
+
+
+def huge_page_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of `t` (CPU, any dtype) in huge_page_empty's memory."""
+    return huge_page_empty(*t.shape, dtype=t.dtype).copy_(t)
 
 
 def parameters_to_huge_pages(module: torch.nn.Module, min_bytes: int = HUGE_MIN_BYTES) -> int:

@@ -84,10 +84,11 @@ def linear_fp32w(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> to
     """y (bf16, M x N) = x (bf16, M x K) · wᵀ + b, w (N x K) and b (N) float32, rounded to bf16
     by the kernel while packing."""
     y = fresh_empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
-    w16 = frozen.bf16_weight(w)         # inside autohc.frozen: rounded once, not every call
+    w16 = frozen.bf16_weight(w)         # inside autohc.frozen: rounded and packed once
+    packed = frozen.packed_weight(w) if w16 is not None else None
 
     def kernel():
-        gemm_bf16_into(x, (w if w16 is None else w16).t(), y, 1.0, kernel_threads(), b, 1.0)
+        gemm_bf16_into(x, (w if w16 is None else w16).t(), y, 1.0, kernel_threads(), b, 1.0, packed)
         return served.by_autohc(y)
     return fallback.kernel_or(kernel, lambda: served.by_aten(_aten_linear(x, w, b)), "linear")
 

@@ -40,6 +40,11 @@ class GemmKernel:
         # bf16 back-ends write a bf16 C themselves (the others: the caller rounds an fp32 C)
         self._gemm_bf16c = getattr(lib, f"{fn}_gemm_bf16c", None)
         self.writes_bf16 = self._gemm_bf16c is not None
+        # ... and read a B packed whole once on their packed path (A_OUTER), where it is given
+        self._gemm_bf16c_pb = getattr(lib, f"{fn}_gemm_bf16c_pb", None)
+        self._pack_b_whole = getattr(lib, f"{fn}_pack_b_whole", None)
+        self._packed_b_elems = getattr(lib, f"{fn}_packed_b_elems", None)
+        self.reads_packed_b = self._gemm_bf16c_pb is not None and params.a_outer
         self._ffi = self.library.ffi
         self._bf16 = params.dtype == "bf16"    # A, B: void * and their element types said
         self._in_t = "void *" if self._bf16 else "float *"
@@ -90,6 +95,37 @@ class GemmKernel:
                                 rsb, csb, beta, f.NULL if bias_ptr is None else f.cast("float *", bias_ptr),
                                 f.NULL if ws_ptr is None else f.cast("float *", ws_ptr),
                                 f.cast("uint16_t *", cb_ptr), ldc, in_f32))
+
+    @property
+    def packed_b_layout(self) -> tuple:
+        """What a B packed whole depends on (the back-end's panel layout and its NR): kernels
+        of the same layout read each other's packed B."""
+        return (self.params.isa, self.params.nr)
+
+    def pack_b_whole(self, K: int, N: int, b_ptr: int, rsb: int, csb: int, in_f32: int, out_ptr: int) -> None:
+        """op(B) (K x N at b_ptr, element strides; fp32 where in_f32 has bit 1, else bf16) packed
+        whole into packed_b_elems(K, N) bf16 elements at out_ptr, on this thread. Only where
+        `reads_packed_b`."""
+        f = self._ffi
+        self._pack_b_whole(K, N, f.cast("void *", b_ptr), rsb, csb, in_f32, f.cast("uint16_t *", out_ptr))
+
+    def packed_b_elems(self, K: int, N: int) -> int:
+        """bf16 elements of op(B) (K x N) packed whole."""
+        return self._packed_b_elems(K, N)
+
+    def run_bf16c_packed(self, M: int, N: int, K: int, alpha: float, a_ptr: int, rsa: int, csa: int,
+                         b_ptr: int, rsb: int, csb: int, bpk_ptr: int, beta: float, bias_ptr: int | None,
+                         ws_ptr: int | None, cb_ptr: int, ldc: int, in_f32: int = 0) -> None:
+        """run_bf16c with op(B) also packed whole at bpk_ptr (pack_b_whole of the same B in this
+        packed_b_layout): the packed path reads it instead of packing B; the same bits."""
+        if not self.runnable:
+            raise KernelError(f"this CPU cannot run the {self.params.isa} back-end")
+        f = self._ffi
+        self._check(self._gemm_bf16c_pb(M, N, K, alpha, f.cast("void *", a_ptr), rsa, csa, f.cast("void *", b_ptr),
+                                   rsb, csb, f.cast("uint16_t *", bpk_ptr), beta,
+                                   f.NULL if bias_ptr is None else f.cast("float *", bias_ptr),
+                                   f.NULL if ws_ptr is None else f.cast("float *", ws_ptr),
+                                   f.cast("uint16_t *", cb_ptr), ldc, in_f32))
 
     def needs_workspace(self, M: int, K: int, alpha: float) -> bool:
         """Whether run_bf16c writes fp32 partial sums to its workspace for this problem."""

@@ -344,17 +344,21 @@ def bmm_into(a, b, out, alpha: float, beta: float, threads: int):
     return out
 
 
-def gemm_bf16_into(a, b, out, alpha: float, threads: int, bias=None, beta: float = 1.0) -> bool:
+def gemm_bf16_into(a, b, out, alpha: float, threads: int, bias=None, beta: float = 1.0,
+                   packed_b=None) -> bool:
     """out := bf16(alpha * a @ b [+ beta * bias in every row]) for bfloat16 (or float32) CPU tensors
     a, b checked by the caller (the torch override), out bfloat16 (M, N); bias: a float32 or
     bfloat16 tensor of out's row shape. Written by the bf16 kernel itself (its last K panel
     rounds into out): True. KernelError, nothing written, where this CPU's bf16 back-end cannot
-    do that or out has no unit column stride: the caller's fallback computes another way."""
+    do that or out has no unit column stride: the caller's fallback computes another way.
+    packed_b: called with the kernel that runs, where it reads a B packed whole
+    (`reads_packed_b`): that kernel's packing of b (a bf16 tensor of packed_b_elems, e.g.
+    autohc.frozen's, made once), or None to pack b as usual."""
     A, B = operand_raw(a), operand_raw(b)
     params = _override_params(A, B, threads, "bf16")
     if bias is not None:
         bias = bias.to(torch.float32).contiguous()
-    if not _run_bf16c("torch", a, b, A, B, operand_raw(out), alpha, threads, params, bias, beta):
+    if not _run_bf16c("torch", a, b, A, B, operand_raw(out), alpha, threads, params, bias, beta, packed_b):
         raise KernelError("this CPU's bf16 back-end has no bf16 store")
     return True
 
@@ -371,7 +375,7 @@ def _workspace(nfloats: int):
     return buf
 
 
-def _run_bf16c(kind, a, b, A, B, C, alpha, threads, params, bias=None, beta=1.0) -> bool:
+def _run_bf16c(kind, a, b, A, B, C, alpha, threads, params, bias=None, beta=1.0, packed_b=None) -> bool:
     """C (bfloat16) := alpha * A @ B (+ bias) on the kernel's own bf16 store; False where it
     has none (fp32 back-ends, a C without unit column stride)."""
     M, K = A.shape
@@ -388,9 +392,14 @@ def _run_bf16c(kind, a, b, A, B, C, alpha, threads, params, bias=None, beta=1.0)
     if not kernel.writes_bf16:
         return False
     ws = _workspace((M - 1) * ldc + N).data_ptr() if kernel.needs_workspace(M, K, alpha) else None
+    bpk = packed_b(kernel) if packed_b is not None and kernel.reads_packed_b else None
+    bias_ptr, in_f32 = None if bias is None else bias.data_ptr(), int(A.f32) | int(B.f32) << 1
+    if bpk is not None:
+        kernel.run_bf16c_packed(M, N, K, alpha, A.ptr, A.strides[0], A.strides[1], B.ptr, B.strides[0],
+                                B.strides[1], bpk.data_ptr(), beta, bias_ptr, ws, C.ptr, ldc, in_f32)
+        return True
     kernel.run_bf16c(M, N, K, alpha, A.ptr, A.strides[0], A.strides[1], B.ptr, B.strides[0],
-                     B.strides[1], beta, None if bias is None else bias.data_ptr(), ws, C.ptr, ldc,
-                     int(A.f32) | int(B.f32) << 1)
+                     B.strides[1], beta, bias_ptr, ws, C.ptr, ldc, in_f32)
     return True
 
 
