@@ -229,6 +229,16 @@ exit codes: 0 done, 1 error, 2 bad input / another set's --out / a shard not wri
     s.add_argument("--stop-signal", type=signal_name, default="USR1", metavar="SIG",
                    help="set: besides SIGTERM, the signal that stops it after the batches in flight, with "
                         "their shards written and exit code 75 (default: USR1)")
+    s.add_argument("--parallel", default="data", choices=["data", "cfg", "patch"],
+                   help="set: how ranks share the work (default: data, each batch on one rank). cfg: "
+                        "teams of 2 ranks, one the conditional half of the guided batch, one the "
+                        "unconditional, eps exchanged each step; patch: teams of --parallel-ranks, each "
+                        "rank a slice of the tokens, attention over gathered keys and values (xDiT's "
+                        "CFG and sequence parallel). Teams take batches round-robin (data parallel); "
+                        "samples equal data parallel's up to rounding, so it is a setting of the set")
+    s.add_argument("--parallel-ranks", type=positive_int, default=None, metavar="P",
+                   help="set: ranks per team with --parallel patch (default: 2; a divisor of the "
+                        "world size and of the model's token count); cfg: 2")
     s.add_argument("--threads", type=positive_int, default=None,
                    help="torch threads of each process (default: torch's)")
     s.add_argument("--json", action="store_true", help="one JSON summary instead of the summary line")
@@ -518,6 +528,10 @@ def cmd_sample(args) -> int:
     if args.num is not None or (args.out or "").endswith(".npz"):
         from ..dit import sample_set    # a sample set: autohc/dit/sample_set.py
         return sample_set.command(args, kernels=lambda: _kernels(args), fused_ops=lambda: _fused_ops(args))
+    if args.parallel != "data" or args.parallel_ranks is not None:
+        print("autohc: --parallel and --parallel-ranks are for a sample set (--num N): a grid is drawn "
+              "in one process", file=sys.stderr)
+        return 2
     from ..dit.sample import decode_latents, load_model, save_grid
     out = args.out or "samples.png"
     args.cfg = 2.0 if args.cfg is None else args.cfg

@@ -131,10 +131,13 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(dim, dim * 3, bias=True)
         self.proj = nn.Linear(dim, dim, bias=True)
         self.fused = None           # the fused operators, set by DiT.use_fused_ops
+        self.token_split = None     # patch parallel sampling (dit/sample_parallel.py): K/V gathered
 
     def forward(self, x):
         B, T, _ = x.shape
         qkv = self.qkv(x)
+        if self.token_split is not None:
+            return self.proj(self.token_split.attention(qkv, self.heads))
         fused_attention = getattr(self.fused, "qkv_attention", None)
         if fused_attention is not None:
             return self.proj(fused_attention(qkv, self.heads))
@@ -211,6 +214,7 @@ class DiT(nn.Module):
         self.pos_embed = nn.Parameter(torch.zeros(1, self.x_embedder.num_patches, hidden_size), requires_grad=False)
         self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio) for _ in range(depth)])
         self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
+        self.token_split = None     # patch parallel sampling (dit/sample_parallel.py): this rank's tokens
         self.initialize_weights()
 
     def use_fused_ops(self, ops) -> "DiT":
@@ -261,10 +265,14 @@ class DiT(nn.Module):
             raise ValueError(f"DiT: x must be (N, {self.in_channels}, {self.input_size}, {self.input_size}), "
                              f"got {tuple(x.shape)}")
         x = self.x_embedder(x) + self.pos_embed
+        split = self.token_split
+        if split is not None:
+            x = split.local(x)
         c = self.t_embedder(t) + self.y_embedder(y, self.training, drop_draws)
         for block in self.blocks:
             x = block(x, c)
-        return self.unpatchify(self.final_layer(x, c))
+        x = self.final_layer(x, c)
+        return self.unpatchify(x if split is None else split.gather(x))
 
     def forward_with_cfg(self, x, t, y, cfg_scale: float):
         """Classifier-free guidance: eps = eps(null) + s (eps(y) - eps(null)) on the first C channels."""

@@ -69,6 +69,7 @@ class Settings:
     vae: str | None             # a latent model's VAE (None: pixel space)
     kernels: str                # autohc | torch
     precision: str = "fp32"     # the model's forward: fp32 | bf16 (resolved; the sampler runs fp32)
+    parallel: str = "data"      # ranks per batch: data | cfg | patch:P (dit/sample_parallel.py)
 
     def meta(self) -> dict:
         return {"format": FORMAT, **asdict(self)}
@@ -107,16 +108,21 @@ def to_uint8_adm(x: torch.Tensor) -> np.ndarray:
 
 
 @torch.no_grad()
-def draw(model, arch: dict, s: Settings, indices: range, decode: Callable | None = None
+def draw(model, arch: dict, s: Settings, indices: range, decode: Callable | None = None, team=None
          ) -> tuple[np.ndarray, np.ndarray]:
-    """The images (uint8 NHWC) and labels (int64) of `indices`."""
+    """The images (uint8 NHWC) and labels (int64) of `indices`; with a cfg `team`
+    (dit/sample_parallel.py) this rank's half of the guided batch, eps exchanged each step
+    (patch teams: the model is inside sample_parallel.token_split)."""
     from .diffusion import GaussianDiffusion
     from .sample import guided_eps
+    from .sample_parallel import cfg_eps
     classes = s.classes if s.classes is not None else list(range(arch["num_classes"]))
     y, gens = labels_and_generators(indices, s.seed, classes)
     shape = (len(y), arch["in_channels"], arch["input_size"], arch["input_size"])
-    x = GaussianDiffusion().sample(guided_eps(model, arch, y, s.cfg, s.precision), shape, sampler=s.sampler,
-                                   steps=s.steps, clip=arch["images"], generators=gens)
+    eps = (cfg_eps(model, arch, y, s.cfg, s.precision, team) if team is not None and team.mode == "cfg"
+           else guided_eps(model, arch, y, s.cfg, s.precision))
+    x = GaussianDiffusion().sample(eps, shape, sampler=s.sampler, steps=s.steps, clip=arch["images"],
+                                   generators=gens)
     if decode is not None:
         x = decode(x)
     return to_uint8_adm(x), y.numpy().astype(np.int64)
@@ -185,7 +191,8 @@ class Shards:
             try:
                 there = json.loads(meta.read_text())
                 assert isinstance(there, dict)
-                there.setdefault("precision", "fp32")       # (sets from before the setting)
+                there.setdefault("precision", "fp32")       # (sets from before the settings)
+                there.setdefault("parallel", "data")
             except (OSError, ValueError, AssertionError):
                 raise InputError(f"{meta}: not readable as a sample set's settings: remove {self.dir} "
                                  "or choose another --out") from None
@@ -358,9 +365,10 @@ def _from_rank_0(obj):
     return box[0]
 
 
-def settings_from_args(args, w) -> Settings:
-    """The set's settings from the command line and the checkpoint's convert.Weights; InputError
-    (one line) for what cannot be drawn."""
+def settings_from_args(args, w, world: int = 1, tokens: int = 1) -> Settings:
+    """The set's settings from the command line and the checkpoint's convert.Weights, on `world`
+    ranks, for a model of `tokens` tokens; InputError (one line) for what cannot be drawn."""
+    from . import sample_parallel
     from .diffusion import GaussianDiffusion
     arch = w.arch
     n = arch["num_classes"]
@@ -378,12 +386,16 @@ def settings_from_args(args, w) -> Settings:
     else:
         cfg = float(args.cfg)
     latent = arch.get("latent")
+    mode = getattr(args, "parallel", None) or "data"
+    degree = sample_parallel.check(mode, getattr(args, "parallel_ranks", None), world, tokens,
+                                   guided=cfg != 1.0 and dropout > 0)
     return Settings(ckpt=str(Path(w.source).resolve()), step=int(w.step), weights="raw" if args.raw else "ema",
                     num=args.num or DEFAULT_NUM, per_batch=args.per_batch, seed=args.seed, sampler=args.sampler,
                     steps=args.sample_steps or GaussianDiffusion().default_steps(args.sampler), cfg=cfg,
                     classes=list(args.classes) if args.classes is not None else None,
                     vae=args.vae or (latent or {}).get("vae"), kernels="torch" if args.no_autohc else "autohc",
-                    precision=sampling_precision(args))
+                    precision=sampling_precision(args),
+                    parallel=f"patch:{degree}" if mode == "patch" else mode)
 
 
 def sampling_precision(args) -> str:
@@ -420,7 +432,7 @@ def command(args, *, kernels: Callable, fused_ops: Callable) -> int:
                                  "labels uniform over --classes")
             from .sample import latent_decoder, load_weights
             model, w = load_weights(args.ckpt, ema=not args.raw, fused_ops=fused_ops())
-            s = settings_from_args(args, w)
+            s = settings_from_args(args, w, launch.world, model.x_embedder.num_patches)
             decode = latent_decoder(w.arch, args.vae)
         except InputError as e:
             say(f"autohc: {e}")
@@ -432,8 +444,11 @@ def command(args, *, kernels: Callable, fused_ops: Callable) -> int:
             return 1
         try:
             from ..torch.frozen import frozen
-            with kernels(), frozen(model):      # bf16: each weight rounded once for the whole set
-                return _run(model, w.arch, s, out, decode, launch, stop, args, say)
+            from . import sample_parallel
+            team = sample_parallel.form(*sample_parallel.parse(s.parallel), launch.world, launch.rank)
+            # bf16: each weight rounded once for the whole set; patch teams: this rank's tokens
+            with kernels(), frozen(model), sample_parallel.token_split(model, team):
+                return _run(model, w.arch, s, out, decode, launch, stop, args, say, team)
         except RuntimeError as e:       # a collective that failed: one line per rank
             if launch.world == 1:
                 raise
@@ -443,7 +458,7 @@ def command(args, *, kernels: Callable, fused_ops: Callable) -> int:
             dist.shutdown()
 
 
-def _run(model, arch, s: Settings, out: Path, decode, launch, stop, args, say) -> int:
+def _run(model, arch, s: Settings, out: Path, decode, launch, stop, args, say, team) -> int:
     from ..runtime import preempt
     shards = Shards(out, s.num, s.per_batch)
     # every rank the same settings (a run folder whose newest checkpoint changed between the
@@ -466,26 +481,30 @@ def _run(model, arch, s: Settings, out: Path, decode, launch, stop, args, say) -
         say(error)
         return 2
     found0 = shards.listed() if launch.rank == 0 else 0
-    ranks = f" over {launch.world} ranks ({launch.launcher})" if launch.world > 1 else ""
+    ranks = f" over {launch.world} ranks ({launch.launcher}{team.describe()})" if launch.world > 1 else ""
     say(f"autohc sample: {s.num} images of {s.ckpt} (step {s.step}, {s.sampler} {s.steps} steps, cfg {s.cfg:g}, {s.precision}) "
         f"in {shards.batches} batches of {s.per_batch}{ranks} -> {out}; shards in {shards.dir}"
         + (f"; {found0} images already there" if found0 else ""))
     progress = Progress(s.num, launch.rank == 0, say)
     t0 = time.monotonic()
-    rounds = -(-shards.batches // launch.world)
+    from .sample_parallel import from_leader
+    rounds = -(-shards.batches // team.teams)
+    lead = team.member == 0             # a team's leader loads and writes its shards, and counts them
     try:
         for r in range(rounds):
-            k = r * launch.world + launch.rank
+            k = r * team.teams + team.team
             drawn = found = 0
             failed = False
             if k < shards.batches:
-                if shards.load(k, warn=lambda m: print(m, file=sys.stderr, flush=True)) is not None:
-                    found = len(shards.indices(k))
+                have = lead and shards.load(k, warn=lambda m: print(m, file=sys.stderr, flush=True)) is not None
+                if from_leader(team, int(have)):
+                    found = len(shards.indices(k)) if lead else 0
                 else:
-                    images, labels = draw(model, arch, s, shards.indices(k), decode)
+                    images, labels = draw(model, arch, s, shards.indices(k), decode if lead else None, team)
                     try:
-                        shards.write(k, images, labels)
-                        drawn = len(images)
+                        if lead:
+                            shards.write(k, images, labels)
+                            drawn = len(images)
                     except ShardError as e:
                         print(f"autohc: {e}", file=sys.stderr, flush=True)
                         failed = True
