@@ -225,3 +225,26 @@ def test_a_grid_refuses_parallel(ckpt, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "a grid" in err
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.xdist_group("net")
+def test_bench_sample_parallel_times_each_layout_against_one_process():
+    from autohc.bench.sample_parallel import bench_sample_parallel
+    r = bench_sample_parallel("DiT-Ti/2", 2, image_size=8, samples=2, warmup=1, rounds=1, threads=2,
+                              precision="fp32", layouts=("cfg", "patch"))
+    assert set(r["step_s"]) == {"one", "cfg", "patch"} and all(v > 0 for v in r["step_s"].values())
+    assert all(len(v) == 2 for v in r["step_times"].values())
+    assert set(r["speedups"]) == {"cfg vs one", "patch vs one"}
+    assert all(d <= 1e-5 for d in r["max_rel_eps_diff"].values()), r["max_rel_eps_diff"]
+
+
+@pytest.mark.parametrize("extra,says", [
+    (["--parallel", "cfg", "--ranks", "3", "--threads", "3"], "CFG parallel runs on 2 ranks, not 3"),
+    (["--parallel", "patch", "--threads", "3"], "3 threads do not split over 2 ranks"),
+    (["--parallel", "cfg", "--modes", "autohc"], "--modes and --parallel are two benchmarks"),
+])
+def test_bench_sample_parallel_bad_input_is_one_line(extra, says, capsys):
+    from autohc.cli import main
+    assert main(["bench", "sample", "--model", "DiT-Ti/2", "--image-size", "8", *extra]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if not ln.startswith("autohc: note:")]
+    assert len(err) == 1 and says in err[0], err      # (a note: more threads than CPUs)

@@ -307,6 +307,15 @@ exit codes: 0 done, 1 error, 2 bad input / another set's --out / a shard not wri
     bs.add_argument("--no-first-use-tuning", action="store_true",
                     help="run the default GEMM kernels where the registry has no entry (default: tune "
                          "new GEMM problems on first use, in the warm-up step and between steps)")
+    bs.add_argument("--parallel", nargs="+", choices=["cfg", "patch"], default=None,
+                    help="instead of the modes: autohc's guided step on a team of --ranks processes "
+                         "(CFG parallel, patch parallel: `autohc sample --parallel`) against one process "
+                         "with the same total threads, in turns over --rounds rounds")
+    bs.add_argument("--ranks", type=positive_int, default=2, help="--parallel: ranks per team (default: 2)")
+    bs.add_argument("--rounds", type=positive_int, default=2,
+                    help="--parallel: turns of every layout, each --samples timed steps (default: 2)")
+    bs.add_argument("--precision", default="auto", choices=["fp32", "bf16", "auto"],
+                    help="--parallel: the forward's precision (default: auto, bf16 where the CPU has it)")
     bs.add_argument("--json", action="store_true", help="one JSON object")
     add_save_argument(bs)
 
@@ -618,6 +627,8 @@ def cmd_compare(args) -> int:
 
 
 def cmd_bench_sample(args) -> int:
+    if args.parallel:
+        return _bench_sample_parallel(args)
     from ..bench.sample import bench_sample
     rec = recorder("sample", args)
     modes = args.modes or list(SAMPLE_MODES)
@@ -642,6 +653,35 @@ def cmd_bench_sample(args) -> int:
         print(f"  {k}: {v:.2f}x")
     if r.get("first_use_race_s"):
         print(f"  first-use tuning: {r['first_use_race_s']:.1f} s of races, untimed")
+    return 0
+
+
+def _bench_sample_parallel(args) -> int:
+    from ..bench.sample_parallel import bench_sample_parallel
+    if args.modes:
+        print("autohc: --modes and --parallel are two benchmarks: give one", file=sys.stderr)
+        return 2
+    rec = recorder("sample", args)
+    try:
+        r = bench_sample_parallel(args.model, args.batch, image_size=args.image_size, samples=args.samples,
+                                  warmup=args.warmup, rounds=args.rounds, cfg=args.cfg, layouts=args.parallel,
+                                  ranks=args.ranks, threads=args.threads, precision=args.precision,
+                                  progress=lambda m: print(m, file=sys.stderr, flush=True))
+    except ValueError as e:
+        print(f"autohc: {e}", file=sys.stderr)
+        return 2
+    if rec is not None:
+        print(f"autohc: result saved to {rec.save(r, threads=r['threads'])}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(r, indent=2))
+        return 0
+    print(f"{r['model']} batch {r['batch']} (x2 with guidance {r['cfg']:g}), {r['threads']} threads in all, "
+          f"{r['precision']}; median of {r['timed']} guided sampler steps:")
+    for m, s in r["step_s"].items():
+        who = "one process" if m == "one" else f"{m} team of {r['ranks']}"
+        extra = "" if m == "one" else (f"  {r['speedups'][m + ' vs one']:.2f}x one process, "
+                                       f"eps vs one: {r['max_rel_eps_diff'][m]:.1e}")
+        print(f"  {who:22s} {s:7.3f} s/step ±{r['spread_pct'][m]:4.1f}%{extra}")
     return 0
 
 
