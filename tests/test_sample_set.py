@@ -12,6 +12,7 @@ import sys
 import time
 
 import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -259,3 +260,92 @@ def test_a_set_from_a_model_without_label_dropout_defaults_to_no_guidance(ckpt, 
                  "--sample-steps", "2", "--classes", "2", "5", "--out", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["cfg"] == 1.0
     assert set(_load(out)["labels"].tolist()) <= {2, 5}
+
+
+# ------------------------------------------------- kill -9 of one rank under a launcher
+
+# the SLOW set over 2 ranks; --num-samples: torchrun itself takes --num (for --numa-binding)
+SLOW_RANKS = ["--num-samples" if a == "--num" else a for a in SLOW]
+
+
+def _launcher(which):
+    if which == "torchrun":
+        torchrun = shutil.which("torchrun") or pytest.fail("torchrun not found (it ships with torch)")
+        return [torchrun, "--nproc-per-node", "2", "-m", "autohc.cli"], "RANK"
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        pytest.skip("Open MPI is not installed (CI installs it: .ci/run)")
+    return [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable, "-m",
+            "autohc.cli"], "OMPI_COMM_WORLD_RANK"
+
+
+def _rank_process(launcher, rank_var: str, rank: int, deadline: float):
+    """The worker of `rank` under the launcher: a descendant running autohc.cli sample whose
+    environment names it (torchrun's RANK, Open MPI's OMPI_COMM_WORLD_RANK)."""
+    while True:
+        assert launcher.poll() is None, "the launcher ended before its ranks started"
+        assert time.monotonic() < deadline, "no rank processes"
+        for c in psutil.Process(launcher.pid).children(recursive=True):
+            try:
+                if "autohc.cli" in c.cmdline() and "sample" in c.cmdline() \
+                        and c.environ().get(rank_var) == str(rank):
+                    return c
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                pass
+        time.sleep(0.05)
+
+
+@pytest.mark.xdist_group("net")
+@pytest.mark.parametrize("which, victim", [("torchrun", 1), ("mpirun", 0)])
+def test_kill_9_of_one_rank_then_the_same_command_finishes_the_set(which, victim, ckpt, ref, tmp_path):
+    """One rank SIGKILLed mid-set: the launcher tears the job down (nonzero, within a bounded
+    time, no rank left behind), OUT is not written; the same command again draws the rest and
+    gives the one-process set, every index once. (torchrun: rank 1 dies; mpirun: rank 0, which
+    also hosts gloo's store.)"""
+    launcher, rank_var = _launcher(which)
+    out = tmp_path / "s.npz"
+    parts = out.with_name("s.npz.parts")
+    cmd = [*launcher, "sample", "--ckpt", str(ckpt), *SLOW_RANKS, "--out", str(out), "--json"]
+    log = tmp_path / "first.err"
+    with open(log, "w") as err:
+        p = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        rank = _rank_process(p, rank_var, victim, deadline)
+        while len(list(parts.glob("batch-*.npz"))) < 2:      # batches 0 and 1: both ranks at work
+            assert p.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "no shards written: " + log.read_text()[-3000:]
+            time.sleep(0.01)
+        ranks = [c for c in psutil.Process(p.pid).children(recursive=True) if "autohc.cli" in c.cmdline()]
+        assert len(ranks) == 2 and rank in ranks, ranks
+        rank.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        try:
+            rc = p.wait(timeout=120)            # the survivor must not hang in a collective
+        except subprocess.TimeoutExpired:
+            alive = [f"{c.pid} {c.status()}" for c in ranks if c.is_running()]
+            pytest.fail(f"{which} still running 120 s after rank {victim} was killed (ranks alive: {alive}): "
+                        + log.read_text()[-3000:])
+        teardown = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    first = log.read_text()
+    _, alive = psutil.wait_procs(ranks, timeout=30)
+    assert not alive, f"ranks left behind by {which}: {alive}"
+    print(f"{which}: exit {rc} {teardown:.1f} s after rank {victim}'s kill -9")
+    assert rc != 0 and not out.exists(), first[-3000:]
+    if which == "torchrun":     # the survivor noticed (mpirun may kill it before it says so)
+        assert f"rank {1 - victim} of 2: sampling failed (another rank died or hung?)" in first, first[-3000:]
+    kept = len(list(parts.glob("batch-*.npz")))
+    assert 2 <= kept < 8, first[-3000:]
+
+    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"over 2 ranks ({'torchrun' if which == 'torchrun' else 'openmpi'})" in r.stderr
+    summary = json.loads(r.stdout)                  # rank 0's; the other rank prints nothing
+    assert summary["world"] == 2 and summary["from_shards"] == 2 * kept > 0
+    assert summary["drawn"] == 16 - 2 * kept
+    _same(_load(out), ref[0])                       # every index once, as the uninterrupted run
+    assert not parts.exists()
