@@ -467,6 +467,16 @@ def test_bench_step_stock_vs_autohc():
         # (pct_peak rounds to 0.1 and step_gflop to 0.01: 0.3 of DiT-Ti/8 is 0.295 to 0.305)
         want = 100 * r["step_gflop"] / t / peaks[m]
         assert abs(r["pct_peak"][m] - want) < 0.051 + want * (0.0051 / r["step_gflop"] + 0.001)
+    # the floors beside the time: compute (flops over the unit's peak) and memory (48 B a parameter)
+    f = r["floors"]
+    from autohc.dit.model import DiT
+    n = sum(p.numel() for p in DiT.from_name("DiT-Ti/8", input_size=16, in_channels=4, num_classes=1000)
+            .parameters() if p.requires_grad)
+    assert f["params"] == n and f["bytes_per_param"] == 48 and f["copy_gbps"] > 0
+    assert f["memory_s"] == pytest.approx(n * 48 / f["copy_gbps"] / 1e9, rel=0.01)
+    for m in ("stock", "autohc"):               # fp32 modes: the FMA peak probed around the steps
+        assert f["compute_s"][m] == pytest.approx(r["step_gflop"] / peaks[m], rel=0.01, abs=1e-4)
+        assert f["compute_s"][m] < r["step_s"][m]
 
 
 def test_profile_classes_count_a_custom_ops_forward_in_its_autograd_node():

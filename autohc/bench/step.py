@@ -101,6 +101,7 @@ class _Mode:
         self.gen = torch.Generator().manual_seed(seed + 1)
         self.rng = torch.get_rng_state()        # the label-dropout stream, kept per mode
         self.batch, self.size = batch, image_size
+        self.params = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         self.times, self.losses = [], []
 
     def step(self, finish_tuning: bool = True) -> None:
@@ -251,6 +252,28 @@ def _pct_bf16_peak(flops: float, med: dict) -> dict | None:
     return {n: round(100 * flops / med[n] / 1e9 / (peak * torch.get_num_threads()), 1) for n in names}
 
 
+# bytes per trainable parameter that a step moves whatever its schedule (fp32 master weights):
+# AdamW + EMA read p, g, m, v, ema and write p, m, v, ema (36), the forward and the dX GEMMs
+# each read the weight (8), the dW GEMM writes its gradient (4); activations not counted
+PARAM_BYTES = 48
+
+
+def floors(flops: float, params: int, peaks: dict, copy_gbps: float) -> dict:
+    """The step's two floors beside its time: compute, its flops over each mode's unit peak
+    (the fp32 modes the FMA probe times the threads; the -bf16 modes the bf16 unit's peak times
+    the threads where the CPU has one, else the FMA peak); memory, PARAM_BYTES per parameter
+    over the copy bandwidth at the step's threads."""
+    from .peak import bf16_backend_peak
+    bf16 = bf16_backend_peak(cpu.bf16_isa()[0])[0]
+    threads = torch.get_num_threads()
+    compute = {}
+    for name, peak in peaks.items():
+        unit = bf16 * threads if mode_parts(name)[1] == "bf16" and bf16 else peak
+        compute[name] = round(flops / unit / 1e9, 4)
+    return {"compute_s": compute, "memory_s": round(params * PARAM_BYTES / copy_gbps / 1e9, 4),
+            "params": params, "bytes_per_param": PARAM_BYTES, "copy_gbps": round(copy_gbps, 1)}
+
+
 def bench_step(model: str, batch: int, *, image_size: int = 32, steps: int = 10, warmup: int = 2,
                modes=MODES, threads: int | None = None,
                torch_threads: int | None = None, first_use_tuning: bool = True, profile: bool = False,
@@ -293,8 +316,10 @@ def _bench(model, batch, image_size, steps, warmup, modes, say, install_kw, prof
     say(f"bench step: {model} batch {batch}, {torch.get_num_threads()} threads, modes {list(modes)}, "
         f"{'interleaved' if interleave else 'one after the other'}")
     runs = []
+    params = 0
     if interleave:
         runs = [_Mode(m, model, batch, image_size, install_kw=install_kw) for m in modes]
+        params = runs[0].params
         before = _probe_peak()
         for i in range(steps):
             for r in runs:
@@ -308,6 +333,7 @@ def _bench(model, batch, image_size, steps, warmup, modes, say, install_kw, prof
     else:
         for m in modes:
             r = _Mode(m, model, batch, image_size, install_kw=install_kw)
+            params = r.params
             before = _probe_peak()
             for i in range(steps):
                 r.step()
@@ -318,6 +344,8 @@ def _bench(model, batch, image_size, steps, warmup, modes, say, install_kw, prof
             runs.append(r)
             r.model = r.forward = r.opt = r.ema = None      # free it before the next mode
     copy_after = memory_bandwidth_gbps()
+    from .ops import copy_bandwidth_gbps
+    copy_threads = copy_bandwidth_gbps()            # at the step's threads: the memory floor's
     flops = step_flops(model, batch, image_size)
     peaks = {r.name: r.peak for r in runs}
     peak = peaks.get("autohc", statistics.median(peaks.values()))   # the figure shown beside the table
@@ -345,6 +373,7 @@ def _bench(model, batch, image_size, steps, warmup, modes, say, install_kw, prof
            "step_gflop": round(flops / 1e9, 2), "peak_gflops": round(peak, 1),
            "peak_gflops_by_mode": {name: round(v, 1) for name, v in peaks.items()},
            "copy_gbps": {"before": round(copy_before, 1), "after": round(copy_after, 1)},
+           "floors": floors(flops, params, peaks, copy_threads),
            "gflops": {name: round(flops / t / 1e9, 1) for name, t in med.items()},
            "pct_peak": {name: round(100 * flops / t / 1e9 / peaks[name], 1) for name, t in med.items()},
            # the -bf16 modes against the CPU's bf16 peak too (dot products; tiles on AMX)

@@ -728,6 +728,13 @@ def cmd_bench_step(args) -> int:
               "traffic leaves)")
     if r.get("profile"):
         classes = list(next(iter(r["profile"].values()))["share"])
+    f = r.get("floors")
+    if f:
+        print(f"  floors: memory {f['memory_s']:.3f} s ({f['params'] / 1e6:.1f}M parameters x "
+              f"{f['bytes_per_param']} B at the copy bandwidth, {f['copy_gbps']:.1f} GB/s at {r['threads']} threads); "
+              "compute (flops / the unit's peak): "
+              + ", ".join(f"{m} {f['compute_s'][m]:.3f} s ({r['step_s'][m] / max(f['compute_s'][m], f['memory_s']):.1f}x "
+                          "the higher floor)" for m in modes))
         print(f"  share of a profiled step: {'mode':15s}" + "".join(f"{c:>12s}" for c in classes))
         for m, p in r["profile"].items():
             print(f"  {'':26s}{m:15s}" + "".join(f"{100 * p['share'][c]:11.1f}%" for c in classes))
