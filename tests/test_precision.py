@@ -97,3 +97,36 @@ def test_bench_step_bf16_modes_run_under_autocast():
         assert set(r["pct_bf16_peak"]) == {"stock-bf16", "autohc-bf16"}
     else:
         assert r["pct_bf16_peak"] is None
+
+
+def test_train_defaults_to_auto_and_help_says_so(capsys):
+    from autohc.cli import build_parser
+    args = build_parser().parse_args(["train"])
+    assert args.precision == "auto"
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["train", "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--precision {fp32,bf16,auto}" in text and "auto (default): bf16 where the CPU" in text
+    assert "runs fp32 and the log says so" in text
+
+
+def test_resume_compares_the_precision_that_ran(tmp_path, monkeypatch):
+    """A run started with --precision fp32 (the old default) continues under auto where auto
+    is fp32; where auto is bf16 it is refused naming --precision (resolved, and that it came
+    from auto); a checkpoint from before --precision counts as fp32."""
+    monkeypatch.setattr(cpu, "bf16_isa", lambda info=None: ("avx2", "no AVX512_BF16 or AMX on this CPU"))
+    run = tmp_path / "run"
+    Trainer(_cfg(run, 2, precision="fp32", autohc=False, ckpt_every=2)).run(progress=False)
+    more = Trainer(_cfg(run, 3, precision="auto", autohc=False, extra={"resume": True}))
+    assert more.step == 2 and more.precision == "fp32" and more.precision_why.startswith("auto: no AVX512_BF16")
+    monkeypatch.setattr(cpu, "bf16_isa", lambda info=None: ("avx512bf16", "AVX512_BF16 dot products"))
+    from autohc.dit.train import ResumeError
+    with pytest.raises(ResumeError, match=r"--precision 'fp32' \(this command: 'bf16' from --precision auto\)"):
+        Trainer(_cfg(run, 3, precision="auto", autohc=False, extra={"resume": True}))
+    path, state = checkpoint.latest(run)            # as written before --precision existed
+    del state["config"]["precision"], state["precision"]
+    torch.save(state, path)
+    with pytest.raises(ResumeError, match="--precision 'fp32'"):
+        Trainer(_cfg(run, 3, precision="bf16", autohc=False, extra={"resume": True}))
+    assert Trainer(_cfg(run, 3, precision="fp32", autohc=False, extra={"resume": True})).step == 2

@@ -24,7 +24,7 @@ TRAIN_EPILOG = """examples:
   autohc train --data digits --steps 4000 --out runs/digits   # continue the same run to 4000 steps
   autohc train --model DiT-XL/2 --data npy:latents.npy --batch 8 --lr 1e-4 --out runs/xl
   autohc train --model DiT-S/2 --data folder:imgs/ --image-size 32 --no-autohc --out runs/s
-  autohc train --data digits --precision auto --out runs/digits-bf16   # bf16 where the CPU has it
+  autohc train --data digits --precision fp32 --out runs/digits-fp32   # fp32 even where the CPU has bf16
 latent DiT (images -> VAE latents once -> train -> decoded samples), and fine-tuning:
   autohc encode --data folder:imgs/ --vae stabilityai/sd-vae-ft-ema --image-size 256 --out latents/
   autohc train --model DiT-XL/2 --data latents:latents/ --batch 8 --lr 1e-4 --out runs/xl
@@ -129,13 +129,15 @@ def add_parsers(sub, bsub) -> None:
                         "(default: one line, exit 2, the previous checkpoint intact) or warn and train "
                         "on to the next one (the last one must be written either way)")
     t.add_argument("--no-autohc", action="store_true", help="stock torch kernels and torch.optim.AdamW")
-    t.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "auto"],
-                   help="fp32 (default); auto: bf16 where the CPU multiplies bf16 in hardware (AMX, "
-                        "AVX512_BF16), else fp32; bf16: mixed precision, the forward under "
+    t.add_argument("--precision", default="auto", choices=["fp32", "bf16", "auto"],
+                   help="auto (default): bf16 where the CPU multiplies bf16 in hardware (AMX, "
+                        "AVX512_BF16), else fp32 (a CPU without them runs fp32 and the log says so); "
+                        "bf16: mixed precision, the forward under "
                         "torch.autocast('cpu', bfloat16) (bf16 GEMMs and attention, fp32 sums), "
                         "master weights, AdamW and EMA in fp32, checkpoints as for fp32 (the digits "
                         "check found it equal to fp32: docs/training.md); fp32: everything in fp32. "
-                        "The log says which ran and why; the end-of-run samples use the same")
+                        "The log and the summary say which ran and why; the end-of-run samples use "
+                        "the same; a resume compares the precision that ran, not the flag")
     t.add_argument("--no-comm-thread", action="store_true",
                    help="data parallel: all-reduce on gloo's own threads instead of autohc's "
                         "communication thread (pinned to the CPU plan's comm core; MPI under mpirun)")
@@ -515,7 +517,7 @@ def _run_trainer(trainer, args, launch) -> int:
     summary.update(out=str(out), losses_png=str(out / "losses.png"),
                    samples_png=str(out / "samples.png") if args.samples_per_class else None,
                    model=cfg.model, batch=args.batch, autohc=not args.no_autohc,
-                   precision=trainer.precision,
+                   precision=trainer.precision, precision_why=trainer.precision_why,
                    threads=kernel_threads())
     if (rec := getattr(args, "recorder", None)) is not None:
         print(f"autohc: result saved to {rec.save(summary, threads=summary['threads'])}", file=sys.stderr)
@@ -525,7 +527,7 @@ def _run_trainer(trainer, args, launch) -> int:
         print(f"autohc: {summary['steps']} steps ({summary['new_steps']} now) in {summary['seconds']:.0f} s: "
               f"{summary['steps_per_s']:.2f} steps/s, {summary['images_per_s']:.0f} images/s, "
               f"{summary['gflops']:.0f} GFLOP/s, final loss {summary['final_loss']:.4f}, "
-              f"peak RSS {summary['peak_rss_gb']:.2f} GB\n"
+              f"peak RSS {summary['peak_rss_gb']:.2f} GB, precision {trainer.precision} ({trainer.precision_why})\n"
               f"autohc: wrote {', '.join(map(str, wrote))}; checkpoints in {out}")
     return 0
 
@@ -726,8 +728,6 @@ def cmd_bench_step(args) -> int:
         print(f"  one thread's copy bandwidth: {r['copy_gbps']['before']:.1f} GB/s before the steps, "
               f"{r['copy_gbps']['after']:.1f} after (on a shared machine, what the neighbours' memory "
               "traffic leaves)")
-    if r.get("profile"):
-        classes = list(next(iter(r["profile"].values()))["share"])
     f = r.get("floors")
     if f:
         print(f"  floors: memory {f['memory_s']:.3f} s ({f['params'] / 1e6:.1f}M parameters x "
@@ -735,6 +735,8 @@ def cmd_bench_step(args) -> int:
               "compute (flops / the unit's peak): "
               + ", ".join(f"{m} {f['compute_s'][m]:.3f} s ({r['step_s'][m] / max(f['compute_s'][m], f['memory_s']):.1f}x "
                           "the higher floor)" for m in modes))
+    if r.get("profile"):
+        classes = list(next(iter(r["profile"].values()))["share"])
         print(f"  share of a profiled step: {'mode':15s}" + "".join(f"{c:>12s}" for c in classes))
         for m, p in r["profile"].items():
             print(f"  {'':26s}{m:15s}" + "".join(f"{100 * p['share'][c]:11.1f}%" for c in classes))

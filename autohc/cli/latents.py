@@ -11,11 +11,13 @@ from .argtypes import output_dir, positive_int, signal_name
 ENCODE_EPILOG = """examples:
   autohc encode --data folder:imgs/ --vae stabilityai/sd-vae-ft-ema --image-size 256 --out latents/
   autohc encode --data folder:imgs/ --vae ./sd-vae-ft-mse --image-size 256 --flip --out latents/
+  autohc encode --data folder:imgs/ --vae ./sd-vae-ft-ema --image-size 256 --precision fp32 --out latents-fp32/
   torchrun --nproc-per-node 4 -m autohc.cli encode --data folder:imgs/ --vae ./sd-vae-ft-ema --image-size 256 --threads 2 --out latents/
   autohc train --model DiT-XL/2 --data latents:latents/ --out runs/xl
 --vae is a diffusers AutoencoderKL: a folder (save_pretrained) or a hub id. With internet,
 `--vae stabilityai/sd-vae-ft-ema` downloads it once into the Hugging Face cache; without, point
-it at a local copy. A stopped encode resumes: run the same command again.
+it at a local copy. A stopped encode resumes: run the same command again (in the precision
+it started in: meta.json records it; another one is refused, exit 2).
 SIGTERM or --stop-signal (default USR1) ends it after the batch in flight, exit 75.
 Under torchrun, mpirun or srun the ranks share the batches (one file, the same as one
 process's); a stopped run continues at any number of ranks."""
@@ -50,6 +52,12 @@ def add_parsers(sub) -> None:
     e.add_argument("--flip", action="store_true", help="also encode a horizontally flipped copy of each image")
     e.add_argument("--batch", type=positive_int, default=16, help="images per VAE call (default: 16)")
     e.add_argument("--seed", type=int, default=0, help="seed of the posterior draws (default: 0)")
+    e.add_argument("--precision", default="auto", choices=["fp32", "bf16", "auto"],
+                   help="the VAE's encoder forward in fp32, or bf16 under torch.autocast('cpu', "
+                        "bfloat16) (bf16 convolutions, the posterior's draw in fp32); auto (default): "
+                        "bf16 where the CPU multiplies bf16 in hardware (AMX, AVX512_BF16), else fp32. "
+                        "The latents are stored in fp32 either way; meta.json records the precision "
+                        "that ran (a resume must run the same) and the summary says which and why")
     e.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
     e.add_argument("--no-progress", action="store_true", help="no progress bar or log lines")
     e.add_argument("--stop-signal", type=signal_name, default="USR1", metavar="SIG",
@@ -92,7 +100,8 @@ def cmd_encode(args) -> int:
         lead = launch.rank == 0
         try:
             r = encode_folder(path, args.vae, args.out, image_size=args.image_size, flip=args.flip,
-                              batch=args.batch, seed=args.seed, progress=lead and not args.no_progress,
+                              batch=args.batch, seed=args.seed, precision=args.precision,
+                              progress=lead and not args.no_progress,
                               log=(lambda m: print(m, file=sys.stderr, flush=True)) if lead else None, stop=stop)
         except Elsewhere as e:              # every rank exits 2; rank 0 says why
             if lead:
@@ -118,11 +127,12 @@ def cmd_encode(args) -> int:
     if args.json:
         print(json.dumps(r, indent=2))
     elif r["new_images"] == 0:
-        print(f"autohc: {args.out} already holds all {r['images']} latents")
+        print(f"autohc: {args.out} already holds all {r['images']} latents ({r['precision']})")
     else:
         print(f"autohc: {r['new_images']} images encoded in {r['seconds']:.1f} s ({r['images_per_s']:.1f} images/s"
-              f"{ranks}); {r['images']} latents {tuple(r['shape'][1:])} of {len(r['classes'])} classes in "
-              f"{args.out}; train with --data latents:{args.out}")
+              f"{ranks}), the VAE in {r['precision']} ({r['precision_why']}); {r['images']} latents "
+              f"{tuple(r['shape'][1:])} of {len(r['classes'])} classes in {args.out}; train with "
+              f"--data latents:{args.out}")
     return 0
 
 

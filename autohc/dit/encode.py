@@ -6,13 +6,16 @@ DIR holds
                   order and memory-mapped: the data set is never in memory, here or in training
     labels.npy    int64 (N,)
     meta.json     format, class names, the VAE, its scaling factor, image size, flip, seed, a
-                  fingerprint of the inputs, and `done`: the rows written so far
+                  fingerprint of the inputs, the precision the VAE ran in (fp32, or bf16: its
+                  encoder forward under torch.autocast; the latents are fp32 either way), and
+                  `done`: the rows written so far
 
 Images are center-cropped and resized as the reference (ADM's center_crop_arr: halve with a
 box filter while the short side is >= twice the size, bicubic to the size, crop the middle);
 `--flip` adds a horizontally flipped copy of every image (rows n..2n-1). Each image's
 posterior draw has its own seed (vae.encode), so a run that was stopped and started again
-(`done` rows kept) gives the same file as one that was not. `data.latents` reads it back.
+(`done` rows kept) gives the same file as one that was not; a resume in another precision
+(a meta.json without one is from fp32) is refused. `data.latents` reads it back.
 A stop signal (`stop`, runtime/preempt.StopSignals) ends the run after the batch in flight
 (its rows and `done` written); the summary's "stopped_by" names the signal.
 Under torchrun, mpirun or srun (a process group) the ranks share the batches round-robin and
@@ -31,7 +34,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import vae as vaelib
+from . import precision as precisionlib, vae as vaelib
 from .data import LATENTS_FORMAT as FORMAT, DataError, InputError, class_files
 
 
@@ -129,10 +132,13 @@ def _agree(rank: int, error: BaseException | None, errors: list) -> None:
 
 
 def encode_folder(root: str | Path, vae_spec: str, out: str | Path, *, image_size: int | None = None,
-                  flip: bool = False, batch: int = 16, seed: int = 0,
+                  flip: bool = False, batch: int = 16, seed: int = 0, precision: str = "fp32",
                   log: Callable[[str], None] | None = None, progress: bool = True, stop=None) -> dict:
     """Encode root's class images into out (resuming a stopped run there); a summary.
     stop: a preempt.StopSignals looked at after each batch (each round, over ranks).
+    precision: fp32, bf16 or auto (dit/precision.py resolve: bf16 where the CPU multiplies
+    bf16 in hardware); the resolved one is a setting (meta.json "precision"), its reason the
+    summary's "precision_why".
 
     In a process group (autohc encode under torchrun, mpirun, srun) the batches are fixed
     (batch k = files[k*B:(k+1)*B]) and drawn round-robin: in a round every rank encodes one
@@ -141,10 +147,11 @@ def encode_folder(root: str | Path, vae_spec: str, out: str | Path, *, image_siz
     root, out = Path(root), Path(out)
     rank, world = _place()
     error, done = None, 0
+    prec, why = precisionlib.resolve(precision)     # a bad value: ValueError, before any rank works
     try:
-        settings, files, vae, size, mode, shape = _setup(root, vae_spec, image_size, flip, batch, seed)
+        settings, files, vae, size, mode, shape = _setup(root, vae_spec, image_size, flip, batch, seed, prec)
         if rank == 0:
-            done = _open_out(out, settings, files, flip, shape)
+            done = _open_out(out, settings, files, flip, shape, asked=precision)
     except Exception as e:          # noqa: BLE001 - one rank's error stops every rank (_agree)
         if world == 1:
             raise
@@ -160,7 +167,7 @@ def encode_folder(root: str | Path, vae_spec: str, out: str | Path, *, image_siz
     meta_path = out / "meta.json"
     if done >= n:
         return {**settings, "done": n, "images": rows, "new_images": 0, "seconds": 0.0,
-                "images_per_s": 0.0, "out": str(out), "stopped_by": None}
+                "images_per_s": 0.0, "out": str(out), "stopped_by": None, "precision_why": why}
     latents = np.load(out / "latents.npy", mmap_mode="r+")
     if done and log:
         log(f"autohc encode: resuming {out} at image {done} of {n}")
@@ -177,7 +184,7 @@ def encode_folder(root: str | Path, vae_spec: str, out: str | Path, *, image_siz
             k, error = first + rank, None
             if k < batches:
                 try:
-                    _encode_batch(vae, files, k * batch, batch, size, mode, seed, flip, latents)
+                    _encode_batch(vae, files, k * batch, batch, size, mode, seed, flip, latents, prec)
                 except Exception as e:  # noqa: BLE001 - as above
                     if world == 1:
                         raise
@@ -198,10 +205,10 @@ def encode_folder(root: str | Path, vae_spec: str, out: str | Path, *, image_siz
     dt = time.perf_counter() - t0
     return {**settings, "done": done, "images": rows, "new_images": new, "seconds": dt,
             "images_per_s": new / dt if dt else 0.0, "out": str(out),
-            "stopped_by": stopped_by if done < n else None}
+            "stopped_by": stopped_by if done < n else None, "precision_why": why}
 
 
-def _setup(root: Path, vae_spec: str, image_size, flip: bool, batch: int, seed: int):
+def _setup(root: Path, vae_spec: str, image_size, flip: bool, batch: int, seed: int, prec: str = "fp32"):
     """(settings, files, vae, image side, PIL mode, latents' shape); InputError for bad inputs."""
     if batch < 1:
         raise InputError(f"--batch must be >= 1, got {batch}")
@@ -220,16 +227,23 @@ def _setup(root: Path, vae_spec: str, image_size, flip: bool, batch: int, seed: 
     shape = (2 * n if flip else n, vae.config.latent_channels, size // factor, size // factor)
     settings = {"format": FORMAT, "classes": classes, "vae": _vae_ref(vae_spec),
                 "scaling_factor": vaelib.scaling_factor(vae), "image_size": size, "flip": flip,
-                "seed": seed, "shape": list(shape), "inputs": _fingerprint(files), "source": str(root.resolve())}
+                "seed": seed, "shape": list(shape), "inputs": _fingerprint(files), "source": str(root.resolve()),
+                "precision": prec}
     return settings, files, vae, size, mode, shape
 
 
-def _open_out(out: Path, settings: dict, files, flip: bool, shape) -> int:
+def _open_out(out: Path, settings: dict, files, flip: bool, shape, asked: str | None = None) -> int:
     """Checks out's meta.json against settings (rows done so far), or creates the folder:
-    labels.npy, latents.npy (zeros) and meta.json with done 0. Rank 0's job."""
+    labels.npy, latents.npy (zeros) and meta.json with done 0. Rank 0's job. asked: the
+    --precision given (auto), for the message of a precision that differs."""
     meta_path = out / "meta.json"
     if meta_path.is_file():
         old = json.loads(meta_path.read_text())
+        old.setdefault("precision", "fp32")         # written before --precision: the VAE ran fp32
+        if old["precision"] != settings["precision"]:
+            now = settings["precision"] + (f" from --precision {asked}" if asked and asked != settings["precision"] else "")
+            raise InputError(f"{out} holds latents encoded in {old['precision']} (this command: {now}): "
+                             f"pass --precision {old['precision']} to continue it, or another --out")
         diff = [k for k in settings if old.get(k) != settings[k]]
         if diff:
             raise InputError(f"{out} holds latents of another encode (differs in {', '.join(diff)}): "
@@ -248,16 +262,17 @@ def _open_out(out: Path, settings: dict, files, flip: bool, shape) -> int:
 
 
 def _encode_batch(vae, files, start: int, batch: int, size: int, mode: str, seed: int, flip: bool,
-                  latents) -> None:
-    """Batch files[start:start+batch] (and its flips, rows n+...) into latents, flushed."""
+                  latents, prec: str = "fp32") -> None:
+    """Batch files[start:start+batch] (and its flips, rows n+...) into latents, flushed; the
+    VAE in prec (resolved: fp32 or bf16)."""
     n = len(files)
     part = files[start:start + batch]
     x = _load_batch(part, size, mode)
     idx = list(range(start, start + len(part)))
-    latents[start:start + len(part)] = vaelib.encode(vae, x, [seed * 1_000_003 + i for i in idx]).numpy()
+    latents[start:start + len(part)] = vaelib.encode(vae, x, [seed * 1_000_003 + i for i in idx], prec).numpy()
     if flip:
         latents[n + start:n + start + len(part)] = vaelib.encode(
-            vae, x.flip(-1), [seed * 1_000_003 + n + i for i in idx]).numpy()
+            vae, x.flip(-1), [seed * 1_000_003 + n + i for i in idx], prec).numpy()
     latents.flush()             # the rows reach the file before `done` says so
 
 

@@ -238,13 +238,18 @@ class Trainer:
             return None
         old = dict(resumed[1].get("config", {}))
         mine = asdict(cfg)
+        if old and "precision" not in old:      # a checkpoint from before --precision: fp32 ran
+            old["precision"] = "fp32"
         if "precision" in old:          # what ran there against what would run here: auto may be either
             old["precision"] = resumed[1].get("precision") or precision.resolve(old["precision"])[0]
             mine["precision"] = precision.resolve(mine["precision"])[0]
         diff = [k for k in RESUME_KEYS if k in old and mine[k] is not None and old[k] != mine[k]]
         if diff:
+            def now(k):                 # --precision auto: what it resolved to, and that it was auto
+                return (f"{mine[k]!r} from --precision {cfg.precision}"
+                        if k == "precision" and cfg.precision != mine[k] else repr(mine[k]))
             raise ResumeError(f"--resume auto: {resumed[0]} was trained with "
-                              + ", ".join(f"--{k.replace('_', '-')} {old[k]!r} (this command: {mine[k]!r})"
+                              + ", ".join(f"--{k.replace('_', '-')} {old[k]!r} (this command: {now(k)})"
                                           for k in diff)
                               + "; pass the same settings to continue it, or another --out")
         return resumed

@@ -58,11 +58,18 @@ def downsampling(vae) -> int:
 
 
 @torch.no_grad()
-def encode(vae, images: torch.Tensor, noise_seeds: list[int]) -> torch.Tensor:
+def encode(vae, images: torch.Tensor, noise_seeds: list[int], precision: str = "fp32") -> torch.Tensor:
     """Scaled latents of images (B, C, H, W) in [-1, 1]: a draw from the posterior, as the
     reference's `latent_dist.sample() * 0.18215`, each image's draw from its own seed, so the
-    result does not depend on the batch it came in (and an encode that resumes is the same)."""
-    dist = vae.encode(images).latent_dist
+    result does not depend on the batch it came in (and an encode that resumes is the same).
+    precision (resolved: "fp32" or "bf16"): bf16 runs the VAE's encoder forward under
+    torch.autocast("cpu", bfloat16); the posterior's mean and std, the draw and the latents
+    are fp32 either way."""
+    from . import precision as precisionlib
+    with precisionlib.autocast(precision):
+        dist = vae.encode(images).latent_dist
+    if dist.parameters.dtype != torch.float32:     # bf16 moments: mean and std from fp32 ones
+        dist = type(dist)(dist.parameters.float(), deterministic=getattr(dist, "deterministic", False))
     noise = torch.stack([torch.randn(dist.mean.shape[1:], generator=torch.Generator().manual_seed(s))
                          for s in noise_seeds])
     return (dist.mean + dist.std * noise) * scaling_factor(vae)
