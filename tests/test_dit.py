@@ -418,6 +418,12 @@ def test_bench_step_modes_on_the_command_line_are_the_benchmarks():
     assert STEP_MODES == MODES
 
 
+def test_bench_sample_modes_on_the_command_line_are_the_benchmarks():
+    from autohc.bench.sample import MODES
+    from autohc.cli.dit import SAMPLE_MODES
+    assert SAMPLE_MODES == MODES
+
+
 def test_bench_step_autohc_under_compile():
     """autohc+compile: inductor's compiled step with its GEMMs on autohc, the stock losses."""
     from autohc.bench.step import bench_step

@@ -142,10 +142,12 @@ def test_patch_parallel_attention_sees_every_token():
 
 # ---- the command -------------------------------------------------------------------------
 
-def _cli(*args, launcher=None, timeout=300):
+def _cli(*args, launcher=None, ranks=2, timeout=300):
     cmd = [sys.executable, "-m", "autohc.cli", *map(str, args)]
     if launcher == "torchrun":
-        cmd = [shutil.which("torchrun"), "--nproc-per-node", "2", "-m", "autohc.cli", *map(str, args)]
+        cmd = [shutil.which("torchrun"), "--nproc-per-node", str(ranks), "-m", "autohc.cli", *map(str, args)]
+    elif launcher == "mpirun":
+        cmd = [shutil.which("mpirun"), "--allow-run-as-root", "--oversubscribe", "-np", str(ranks), *cmd]
     return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
@@ -178,6 +180,21 @@ def test_sample_parallel_under_torchrun_gives_the_one_process_set(ckpt, one_set,
     assert f"over 2 ranks (torchrun, {what}: 1 team of 2 ranks)" in r.stderr
     summary = json.loads(r.stdout)
     assert summary["parallel"] == ("cfg" if mode == "cfg" else "patch:2") and summary["drawn"] == 8
+    with np.load(one_set) as a, np.load(tmp_path / "team.npz") as b:
+        assert np.array_equal(a["labels"], b["labels"])
+        assert np.abs(a["arr_0"].astype(int) - b["arr_0"]).max() <= 1
+
+
+@pytest.mark.xdist_group("net")
+def test_teams_combine_with_data_parallel_under_mpirun(ckpt, one_set, tmp_path):
+    """4 ranks under mpirun with --parallel cfg: 2 teams of 2, taking the 2 batches round-robin."""
+    if shutil.which("mpirun") is None:
+        pytest.skip("Open MPI is not installed (CI installs it: .ci/run)")
+    r = _cli("sample", "--ckpt", ckpt, *SET, "--parallel", "cfg", "--out", tmp_path / "team.npz", "--json",
+             launcher="mpirun", ranks=4)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "over 4 ranks (openmpi, CFG parallel: 2 teams of 2 ranks)" in r.stderr
+    assert json.loads(r.stdout)["drawn"] == 8
     with np.load(one_set) as a, np.load(tmp_path / "team.npz") as b:
         assert np.array_equal(a["labels"], b["labels"])
         assert np.abs(a["arr_0"].astype(int) - b["arr_0"]).max() <= 1

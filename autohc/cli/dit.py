@@ -271,7 +271,7 @@ exit codes: 0 done, 1 error, 2 bad input / another set's --out / a shard not wri
                                    "table, each run against the first. Every run samples with the same\n"
                                    "seed, sampler and guidance.",
                        epilog="example (the fidelity of bf16 training, same seed):\n"
-                              "  autohc train --data digits --steps 2000 --out runs/digits\n"
+                              "  autohc train --data digits --steps 2000 --precision fp32 --out runs/digits\n"
                               "  autohc train --data digits --steps 2000 --out runs/digits-bf16 --precision bf16\n"
                               "  autohc compare runs/digits runs/digits-bf16")
     c.add_argument("runs", nargs="+", metavar="RUN", help="run folders (or checkpoint files); the first is the baseline")
