@@ -130,9 +130,10 @@ def test_patch_parallel_attention_sees_every_token():
     full = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(2, 16, 12)
 
     class Fake(TokenSplit):
-        def gather(self, x):
-            other = qkv[:, 8:, 12:] if self.team.member == 0 else qkv[:, :8, 12:]
-            return torch.cat([x, other] if self.team.member == 0 else [other, x], dim=1)
+        def all(self, t, dim):      # the other member's K/V slice, taken from the full qkv
+            assert dim == 0 and t.shape == (8, 2, 24)           # token-major (T_local, B, 2D)
+            other = (qkv[:, 8:, 12:] if self.team.member == 0 else qkv[:, :8, 12:]).transpose(0, 1)
+            return torch.cat([t, other] if self.team.member == 0 else [other, t], dim=0)
     for member in (0, 1):
         split = Fake(Team("patch", 2, 2, member))
         local = split.local(qkv)

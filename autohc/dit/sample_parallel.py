@@ -124,16 +124,13 @@ def from_leader(team: Team, value: int) -> int:
 
 
 def _gather(team: Team, t: torch.Tensor, dim: int) -> torch.Tensor:
-    """The members' `t` concatenated along dim, in member order (bf16 travels as its bits)."""
+    """The members' `t` concatenated along dim, in member order: one all_gather_single
+    along the first dim (`dim` moved there; the result a view with `dim` back in place)."""
     import torch.distributed as tdist
-    wire = t.contiguous()
-    bits = wire.dtype == torch.bfloat16          # gloo gathers no 16-bit types: bf16 as its bytes
-    if bits:
-        wire = wire.view(torch.uint8)
-    parts = [torch.empty_like(wire) for _ in range(team.degree)]
-    tdist.all_gather(parts, wire, group=team.group)
-    out = torch.cat(parts, dim=dim)
-    return out.view(torch.bfloat16) if bits else out
+    wire = t.movedim(dim, 0).contiguous()
+    out = torch.empty((team.degree * wire.shape[0], *wire.shape[1:]), dtype=wire.dtype)
+    tdist.all_gather_single(out, wire, group=team.group)
+    return out.movedim(0, dim)
 
 
 class TokenSplit:
@@ -149,17 +146,27 @@ class TokenSplit:
         return x[:, self.team.member * n:(self.team.member + 1) * n]
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
-        return _gather(self.team, x, 1)
+        """(B, T_local, C) -> (B, T_all, C), the members' token slices in order."""
+        return self.all(x, 1)
+
+    def all(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return _gather(self.team, t, dim)
 
     def attention(self, qkv: torch.Tensor, heads: int) -> torch.Tensor:
         """(B, T_local, 3D) -> (B, T_local, D): the local queries over all T keys and values."""
         B, T, D3 = qkv.shape
-        D = D3 // 3
-        kv = self.gather(qkv[..., D:])                                  # (B, T_all, 2D)
-        q = qkv[..., :D].reshape(B, T, heads, D // heads).transpose(1, 2)
-        k, v = kv.reshape(B, kv.shape[1], 2, heads, D // heads).permute(2, 0, 3, 1, 4).unbind(0)
-        attend = getattr(self.fused, "attention", None) or F.scaled_dot_product_attention
-        return attend(q, k, v).transpose(1, 2).reshape(B, T, D)
+        D, hd = D3 // 3, D3 // 3 // heads
+        # gathered token-major, (T_all, B, 2D): k and v are strided views of it, no copy
+        kv = self.all(qkv[..., D:].transpose(0, 1), 0)
+        k, v = kv.view(kv.shape[0], B, 2, heads, hd).permute(2, 1, 3, 0, 4).unbind(0)
+        q = qkv[..., :D].reshape(B, T, heads, hd).transpose(1, 2)
+        return self._attend(q, k, v).transpose(1, 2).reshape(B, T, D)
+
+    def _attend(self, q, k, v):
+        if self.fused is None:          # stock: torch's SDPA (its CPU flash kernel)
+            return F.scaled_dot_product_attention(q, k, v)
+        from ..ops import attention     # the model on autohc's fused ops: its attention kernel
+        return attention(q, k, v)
 
 
 @contextlib.contextmanager
