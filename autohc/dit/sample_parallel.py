@@ -165,7 +165,7 @@ class TokenSplit:
     def _attend(self, q, k, v):
         if self.fused is None:          # stock: torch's SDPA (its CPU flash kernel)
             return F.scaled_dot_product_attention(q, k, v)
-        from ..ops import attention     # the model on autohc's fused ops: its attention kernel
+        from ..ops import attention     # the model on autohc's fused ops: their attention op, not the dispatcher
         return attention(q, k, v)
 
 
