@@ -72,11 +72,26 @@ def _read(path: Path) -> dict:
         return {}
 
 
+# os.environ's own bytes dict where CPython keeps one (POSIX): os.environ.get of a missing key costs
+# about 1 us (a KeyError raised and caught), and load() runs on every operator call.
+_ENV_DATA = getattr(os.environ, "_data", None) if os.name == "posix" else None
+_ENV_KEYS = ("AUTOHC_REGISTRY", "AUTOHC_CACHE_DIR", "XDG_CACHE_HOME")
+_ENV_BYTES = tuple(k.encode() for k in _ENV_KEYS)
+
+
+def _env() -> tuple:
+    """The variables that name the registry file, as they are now."""
+    if isinstance(_ENV_DATA, dict):
+        get = _ENV_DATA.get
+        return (get(_ENV_BYTES[0]), get(_ENV_BYTES[1]), get(_ENV_BYTES[2]))
+    get = os.environ.get
+    return (get(_ENV_KEYS[0]), get(_ENV_KEYS[1]), get(_ENV_KEYS[2]))
+
+
 def load() -> dict:
     """All entries, memoised on the file's mtime; the file is stat'ed at most every RECHECK_S
     (a write from this process is seen at once; another process's within RECHECK_S)."""
-    get = os.environ.get                # (spelt out, no generator: this runs on every GEMM call)
-    env = (get("AUTOHC_REGISTRY"), get("AUTOHC_CACHE_DIR"), get("XDG_CACHE_HOME"))
+    env = _env()
     now = time.monotonic()
     if env == _memo["env"] and now - _memo["checked"] < RECHECK_S:
         return _memo["data"]
