@@ -35,12 +35,12 @@ import warnings
 
 import torch
 
-from ..kernels.gemm.matmul import bmm_into, gemm_bf16_into, gemm_into
+from ..kernels.gemm.matmul import AtenFaster, bmm_into, gemm_bf16_into, gemm_into, prepared_gemm_into
 from ..runtime import omp
 from ..runtime import plan as cpu_plan
 from ..runtime.memory import fresh_empty
 from ..tune import first_use
-from . import fallback
+from . import fallback, prepared
 from .attention import ATEN_IMPLS as ATTENTION_IMPLS
 from .ops import ATEN_IMPLS
 from .served import ATEN_OUT, MIN_MACS, aten_out, bf16_served, by_aten, by_autohc, tensor_ok
@@ -167,14 +167,89 @@ def _plus16_ok(inp, m1, m2, beta, alpha) -> bool:
             and inp.dim() in (1, 2) and inp.shape[-1] == m2.shape[1] and inp.numel() == m2.shape[1])
 
 
+# ---- prepared routes (prepared.py): a functional mm or addmm met before runs the route its first
+# call left, ATen's kernel or autohc's kernel bound to the problem, instead of the whole path.
+
+def _aten_route(name: str):
+    aten = aten_out(f"{name}.out")
+    if name == "mm":
+        return lambda a, b: by_aten(aten(a, b, out=a.new_empty(0)))
+    return lambda inp, m1, m2, beta, alpha: by_aten(aten(inp, m1, m2, beta=beta, alpha=alpha, out=m1.new_empty(0)))
+
+
+def _bound_route(name: str, general, x, y, out, alpha, beta, bias):
+    """A route that runs autohc's kernel bound to this problem (out: this call's result, for its
+    strides), ATen's where the choice is ATen's, or None where each call decides."""
+    try:
+        run = prepared_gemm_into(x, y, out, float(alpha), float(beta), kernel_threads(), bias)
+    except AtenFaster:
+        return _aten_route(name)
+    except fallback.FAILURES:
+        return None                     # (the general path reports it, and goes to ATen)
+    if run is None:
+        return None
+    M, N = out.shape
+    if name == "mm":
+        def mm(a, b):
+            c = fresh_empty(M, N)
+            try:
+                run(a.data_ptr(), b.data_ptr(), c.data_ptr())
+            except fallback.FAILURES:
+                return general(a, b)
+            return by_autohc(c)
+        return mm
+
+    def addmm(inp, m1, m2, beta, alpha):
+        c = fresh_empty(M, N)
+        try:                            # (the bias row of a routed addmm starts at inp's first element)
+            run(m1.data_ptr(), m2.data_ptr(), c.data_ptr(), inp.data_ptr())
+        except fallback.FAILURES:
+            return general(inp, m1, m2, beta, alpha)
+        return by_autohc(c)
+    return addmm
+
+
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    key = ("mm", a.shape, a.stride(), a.dtype, b.shape, b.stride(), b.dtype, a.is_neg() or b.is_neg())
+    run, stamp = prepared.route(key)
+    if run is not None:
+        return run(a, b)
+    out = _mm_general(a, b)
+    route = None
+    if not _serve16(a, b):
+        route = (_bound_route("mm", _mm_general, a, b, out, 1.0, 0.0, None) if _serve(a, b)
+                 else _aten_route("mm"))
+    prepared.remember(key, route, stamp)
+    return out
+
+
+def _addmm(inp: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
+    key = ("addmm", m1.shape, m1.stride(), m1.dtype, m2.shape, m2.stride(), m2.dtype, inp.shape, inp.stride(),
+           inp.dtype, m1.is_neg() or m2.is_neg() or inp.is_neg(), beta, alpha)
+    run, stamp = prepared.route(key)
+    if run is not None:
+        return run(inp, m1, m2, beta, alpha)
+    out = _addmm_general(inp, m1, m2, beta, alpha)
+    route = None
+    if not _plus16_ok(inp, m1, m2, beta, alpha):
+        if not _plus_ok(_serve(m1, m2), inp, beta, alpha, lambda: _mm_shape(m1, m2)):
+            route = _aten_route("addmm")
+        else:
+            bias = _row_bias(out, inp, beta)
+            if bias is not None or beta == 0:
+                route = _bound_route("addmm", _addmm_general, m1, m2, out, alpha, beta, bias)
+    prepared.remember(key, route, stamp)
+    return out
+
+
+def _mm_general(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if _serve16(a, b):
         return _gemm16("mm", torch.empty(_mm_shape(a, b), dtype=torch.bfloat16), a, b)
     served = _serve(a, b)
     return _gemm("mm", gemm_into, served, _result(served, lambda: _mm_shape(a, b), a), a, b)
 
 
-def _addmm(inp: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
+def _addmm_general(inp: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, beta=1, alpha=1) -> torch.Tensor:
     if _plus16_ok(inp, m1, m2, beta, alpha):
         return _gemm16("addmm", torch.empty(_mm_shape(m1, m2), dtype=torch.bfloat16), m1, m2, inp, beta, alpha)
     served = _plus_ok(_serve(m1, m2), inp, beta, alpha, lambda: _mm_shape(m1, m2))
@@ -197,13 +272,101 @@ def _baddbmm(inp, b1, b2, *, beta=1, alpha=1):
 # a buffer of its own), so that compiled graphs run their GEMMs on autohc too. Served where
 # the buffer fits; a call not served goes to ATen's own kernel (served.ATEN_OUT).
 
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes t's elements occupy, as offsets from its data_ptr: [lo, hi)."""
+    if t.numel() == 0:
+        return 0, 0
+    ends = [(n - 1) * s for n, s in zip(t.shape, t.stride())]
+    lo, hi = sum(min(0, e) for e in ends), sum(max(0, e) for e in ends) + 1
+    return lo * t.element_size(), hi * t.element_size()
+
+
+def _bound_out_route(name: str, general, x, y, out, alpha, beta, bias, inp=None):
+    """_bound_route for the `.out` forms (inductor's buffers): the same bound kernel, run where
+    this call's out shares no storage and no byte with its inputs (as _fits and the kernel's own
+    aliasing check ask); other calls take the general path."""
+    try:
+        run = prepared_gemm_into(x, y, out, float(alpha), float(beta), kernel_threads(), bias)
+    except (AtenFaster, *fallback.FAILURES):
+        return None
+    if run is None:
+        return None
+    (xlo, xhi), (ylo, yhi), (clo, chi) = _span(x), _span(y), _span(out)
+    ilo, ihi = _span(inp) if inp is not None else (0, 0)
+
+    def apart(c_ptr: int, *inputs) -> bool:
+        c0, c1 = c_ptr + clo, c_ptr + chi
+        return all(p + hi <= c0 or c1 <= p + lo for p, lo, hi in inputs)
+
+    if name == "mm":
+        def mm(a, b, out):
+            c_ptr, a_ptr, b_ptr = out.data_ptr(), a.data_ptr(), b.data_ptr()
+            mem = out.untyped_storage().data_ptr()
+            if (a.untyped_storage().data_ptr() == mem or b.untyped_storage().data_ptr() == mem
+                    or not apart(c_ptr, (a_ptr, xlo, xhi), (b_ptr, ylo, yhi))):
+                return general(a, b, out=out)
+            try:
+                run(a_ptr, b_ptr, c_ptr)
+            except fallback.FAILURES:
+                return general(a, b, out=out)
+            return by_autohc(out)
+        return mm
+
+    def addmm(inp, m1, m2, beta, alpha, out):
+        c_ptr, a_ptr, b_ptr, i_ptr = out.data_ptr(), m1.data_ptr(), m2.data_ptr(), inp.data_ptr()
+        mem = out.untyped_storage().data_ptr()
+        if (m1.untyped_storage().data_ptr() == mem or m2.untyped_storage().data_ptr() == mem
+                or inp.untyped_storage().data_ptr() == mem
+                or not apart(c_ptr, (a_ptr, xlo, xhi), (b_ptr, ylo, yhi), (i_ptr, ilo, ihi))):
+            return general(inp, m1, m2, beta=beta, alpha=alpha, out=out)
+        try:
+            run(a_ptr, b_ptr, c_ptr, i_ptr)
+        except fallback.FAILURES:
+            return general(inp, m1, m2, beta=beta, alpha=alpha, out=out)
+        return by_autohc(out)
+    return addmm
+
+
 def _mm_out(a, b, *, out):
+    key = ("mm.out", a.shape, a.stride(), a.dtype, b.shape, b.stride(), b.dtype, out.shape, out.stride(),
+           out.dtype, a.is_neg() or b.is_neg() or out.is_neg())
+    run, stamp = prepared.route(key)
+    if run is not None:
+        return run(a, b, out)
+    route = None            # (ATen's calls of the `.out` forms may hinge on addresses: not routed)
+    if not _serve16(a, b) and _serve(a, b) and _fits(out, _mm_shape(a, b), a, b):
+        route = _bound_out_route("mm", _mm_out_general, a, b, out, 1.0, 0.0, None)
+    result = _mm_out_general(a, b, out=out)
+    prepared.remember(key, route, stamp)
+    return result
+
+
+def _addmm_out(inp, m1, m2, *, beta=1, alpha=1, out):
+    key = ("addmm.out", m1.shape, m1.stride(), m1.dtype, m2.shape, m2.stride(), m2.dtype, inp.shape,
+           inp.stride(), inp.dtype, out.shape, out.stride(), out.dtype,
+           m1.is_neg() or m2.is_neg() or inp.is_neg() or out.is_neg(), beta, alpha)
+    run, stamp = prepared.route(key)
+    if run is not None:
+        return run(inp, m1, m2, beta, alpha, out)
+    route = None
+    if (not _plus16_ok(inp, m1, m2, beta, alpha)
+            and _plus_ok(_serve(m1, m2), inp, beta, alpha, lambda: _mm_shape(m1, m2))
+            and _fits(out, _mm_shape(m1, m2), m1, m2, inp)):
+        bias = _row_bias(out, inp, beta)
+        if bias is not None or beta == 0:
+            route = _bound_out_route("addmm", _addmm_out_general, m1, m2, out, alpha, beta, bias, inp)
+    result = _addmm_out_general(inp, m1, m2, beta=beta, alpha=alpha, out=out)
+    prepared.remember(key, route, stamp)
+    return result
+
+
+def _mm_out_general(a, b, *, out):
     if _serve16(a, b) and _fits(out, _mm_shape(a, b), a, b, dtype=torch.bfloat16):
         return _gemm16("mm", out, a, b)
     return _gemm("mm", gemm_into, _serve(a, b) and _fits(out, _mm_shape(a, b), a, b), out, a, b)
 
 
-def _addmm_out(inp, m1, m2, *, beta=1, alpha=1, out):
+def _addmm_out_general(inp, m1, m2, *, beta=1, alpha=1, out):
     if _plus16_ok(inp, m1, m2, beta, alpha) and _fits(out, _mm_shape(m1, m2), m1, m2, inp, dtype=torch.bfloat16):
         return _gemm16("addmm", out, m1, m2, inp, beta, alpha)
     served = (_plus_ok(_serve(m1, m2), inp, beta, alpha, lambda: _mm_shape(m1, m2))
@@ -295,6 +458,7 @@ def install(threads: int | None = None, torch_threads: int | str | None = "auto"
         first_use.enable(first_use_tuning)
         if ATEN_OUT["mm.out"] is not None:      # races ATen's own kernel too (never this override)
             first_use.set_aten_runner(_aten_mm_into)
+        prepared.forget()
         if _state["lib"] is not None:
             return
         lib = torch.library.Library("aten", "IMPL")
@@ -320,6 +484,7 @@ def uninstall() -> None:
     with _lock:
         lib, _state["lib"] = _state["lib"], None
         _state["threads"] = None
+        prepared.forget()
         set_kernel_threads(None)
         if lib is not None:
             lib._destroy()

@@ -81,6 +81,29 @@ class GemmKernel:
                                  f.cast("float *", bias_ptr), c, ldc, *tail)
         self._check(rc)
 
+    def bound(self, M: int, N: int, K: int, alpha: float, rsa: int, csa: int, rsb: int, csb: int,
+              beta: float, ldc: int, with_bias: bool, in_f32: int = 0):
+        """`run` with everything but the addresses fixed: a function of (a_ptr, b_ptr, c_ptr,
+        bias_ptr) for a problem that is met again and again (a prepared call: the torch
+        override's hot path). bias_ptr is read only where with_bias."""
+        if not self.runnable:
+            raise KernelError(f"this CPU cannot run the {self.params.isa} back-end")
+        cast, in_t, check = self._ffi.cast, self._in_t, self._check
+        tail = (in_f32,) if self._bf16 else ()
+        if with_bias:
+            fn = self._gemm_bias
+
+            def run(a_ptr: int, b_ptr: int, c_ptr: int, bias_ptr: int) -> None:
+                check(fn(M, N, K, alpha, cast(in_t, a_ptr), rsa, csa, cast(in_t, b_ptr), rsb, csb, beta,
+                         cast("float *", bias_ptr), cast("float *", c_ptr), ldc, *tail))
+        else:
+            fn = self._gemm
+
+            def run(a_ptr: int, b_ptr: int, c_ptr: int, bias_ptr: int = 0) -> None:
+                check(fn(M, N, K, alpha, cast(in_t, a_ptr), rsa, csa, cast(in_t, b_ptr), rsb, csb, beta,
+                         cast("float *", c_ptr), ldc, *tail))
+        return run
+
     def run_bf16c(self, M: int, N: int, K: int, alpha: float, a_ptr: int, rsa: int, csa: int,
                   b_ptr: int, rsb: int, csb: int, beta: float, bias_ptr: int | None, ws_ptr: int | None,
                   cb_ptr: int, ldc: int, in_f32: int = 0) -> None:

@@ -43,7 +43,7 @@ _registry_miss_hook = None
 # on every GEMM call, and choosing again cost about 3 us (an AMX Xeon), a tenth of a call's
 # overhead. Cleared when the registry file changes (registry.memo() is then a new dict), the hook
 # changes, or forget_choices() is called.
-_choices: dict = {"registry": None, "hook": None, "params": {}}
+_choices: dict = {"registry": None, "hook": None, "params": {}, "forgotten": 0}
 MAX_CHOICES = 4096
 
 
@@ -56,6 +56,14 @@ def set_registry_miss_hook(hook) -> None:
 def forget_choices() -> None:
     """Choose again on each problem's next call (first-use tuning forgot its tunings)."""
     _choices["registry"] = None
+    _choices["forgotten"] += 1
+
+
+def choices_stamp() -> tuple:
+    """What every problem's choice was made under: the registry's state, the first-use hook and
+    the count of forget_choices() calls. A choice derived from (a prepared call) holds while
+    this is the same (`is` on its first two)."""
+    return registry.memo(), _registry_miss_hook, _choices["forgotten"]
 
 
 def tuned_params(m: int, k: int, n: int, sa, sb, threads: int, dtype: str = "fp32",
@@ -88,7 +96,7 @@ def _choice(m: int, k: int, n: int, sa, sb, threads: int, dtype: str,
     state, hook = registry.memo(), _registry_miss_hook
     if _choices["registry"] is not state or _choices["hook"] is not hook:
         _choices.update(registry=state, hook=hook, params={})
-    key = (registry.layout_of(sa[0], sa[1], sb[0], sb[1]), m, k, n, threads, dtype, c_fp32)
+    key = _choice_key(m, k, n, sa, sb, threads, dtype, c_fp32)
     choice = _choices["params"].get(key)
     if choice is None:
         params, aten, settled = _chosen_params(m, k, n, sa, sb, threads, dtype, hook, c_fp32)
@@ -98,6 +106,10 @@ def _choice(m: int, k: int, n: int, sa, sb, threads: int, dtype: str,
                 _choices["params"] = {}
             _choices["params"][key] = choice
     return choice
+
+
+def _choice_key(m: int, k: int, n: int, sa, sb, threads: int, dtype: str, c_fp32: bool) -> tuple:
+    return (registry.layout_of(sa[0], sa[1], sb[0], sb[1]), m, k, n, threads, dtype, c_fp32)
 
 
 def _chosen_params(m: int, k: int, n: int, sa, sb, threads: int, dtype: str,
@@ -328,6 +340,32 @@ def gemm_into(a, b, out, alpha: float, beta: float, threads: int, bias=None, dty
     A, B = operand_raw(a), operand_raw(b)
     return _run("torch", a, b, out, A, B, operand_raw(out), alpha, beta, threads,
                 _override_params(A, B, threads, dtype, c_fp32=dtype == "bf16"), bias, dtype)
+
+
+def prepared_gemm_into(a, b, out, alpha: float, beta: float, threads: int, bias=None, dtype: str = "fp32"):
+    """gemm_into's call on these operands made ready for others of the same shapes, strides,
+    dtypes and scalars: a function of (a_ptr, b_ptr, out_ptr, bias_ptr) that runs only the kernel
+    (GemmKernel.bound), or None where a call of this form is decided on each call as gemm_into
+    decides it: C without a unit column stride, a bias that would be copied, operands that
+    overlap out, or a choice that first-use tuning has not settled. Raises what gemm_into
+    raises before it writes anything (AtenFaster, a kernel that cannot be built or run)."""
+    A, B, C = operand_raw(a), operand_raw(b), operand_raw(out)
+    M, K = A.shape
+    N = B.shape[1]
+    if beta == 0.0:
+        bias = None
+    if not (C.strides[1] == 1 or N == 1) or (bias is not None and not bias.is_contiguous()):
+        return None
+    span = C.nbytes_span()
+    if A.overlaps(span) or B.overlaps(span):
+        return None
+    c_fp32 = dtype == "bf16"
+    params = _override_params(A, B, threads, dtype, c_fp32=c_fp32)
+    if _choice_key(M, K, N, A.strides, B.strides, threads, dtype, c_fp32) not in _choices["params"]:
+        return None
+    return get_kernel(params).bound(M, N, K, alpha, A.strides[0], A.strides[1], B.strides[0], B.strides[1],
+                                    beta, C.strides[0] if M > 1 else max(N, 1), bias is not None,
+                                    int(A.f32) | int(B.f32) << 1)
 
 
 def bmm_into(a, b, out, alpha: float, beta: float, threads: int):
