@@ -385,3 +385,46 @@ def test_install_layernorm_strided_weight_and_bias():
     with autohc.installed(threads=2):
         got = F.layer_norm(x, (12,), w, b)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_calls_without_autograd_skip_the_custom_op_and_nothing_watching_loses_it(monkeypatch):
+    """layernorm_modulate and gated_residual under no_grad run their implementation directly
+    (same bits as the op); with autograd to record, under a dispatch mode, the profiler or
+    torch.compile they go through the custom op, which those see."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    torch.manual_seed(0)
+    x, y = torch.randn(2, 33, 96), torch.randn(2, 33, 96)
+    gate, scale, shift = torch.randn(2, 96), torch.randn(2, 96), torch.randn(2, 96)
+    calls = []
+    for name in ("_gated", "_ln_mod"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+
+    def both():
+        return ops.gated_residual(x, y, gate), ops.layernorm_modulate(x, scale, shift)
+    want = both()                                           # (grad enabled, nothing requires it)
+    assert calls == []
+    with torch.no_grad():
+        got = both()
+    assert calls == [] and all(torch.equal(a, b) for a, b in zip(got, want))
+    xg = x.clone().requires_grad_()
+    ops.gated_residual(xg, y, gate).sum().backward()
+    assert calls == ["_gated"] and xg.grad is not None
+
+    class Seen(TorchDispatchMode):
+        names: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Seen.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+    with torch.no_grad(), Seen():
+        got = both()
+    assert any("autohc.gated_residual" in n for n in Seen.names) and any("autohc.layernorm_modulate" in n for n in Seen.names)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    calls.clear()
+    with torch.no_grad(), torch.profiler.profile():
+        both()
+    assert calls == ["_gated", "_ln_mod"]
+    inside = []
+    torch.vmap(lambda t: inside.append(ops._direct(t)) or t)(x)
+    assert ops._direct(x) and inside == [False]

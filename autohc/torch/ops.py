@@ -25,6 +25,7 @@ import os
 from typing import Callable, NamedTuple
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 from ..hw import cpu
 from ..kernels.eltwise import KERNELS, EltwiseParams, default_eltwise
@@ -177,8 +178,7 @@ def _ln_mod_reference(x, scale, shift, eps):
     return _ln_reference(x, scale, shift, eps), mean, rstd
 
 
-@torch.library.custom_op("autohc::layernorm_modulate", mutates_args=())
-def _ln_mod(x: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | None,
+def _ln_mod_impl(x: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | None,
             eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     B, T, D = x.shape
     if not _fast(x) or any(t is not None and not _fast(t) for t in (scale, shift)):
@@ -189,6 +189,9 @@ def _ln_mod(x: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | N
     except fallback.FAILURES as e:
         fallback.report(e, "layernorm_modulate")
         return _ln_mod_reference(x, scale, shift, eps)
+
+
+_ln_mod = torch.library.custom_op("autohc::layernorm_modulate", mutates_args=())(_ln_mod_impl)
 
 
 def _ln_fwd_kernel(xc, sc, sh, rows: int, D: int, T: int, eps: float, plus_one: int,
@@ -272,6 +275,21 @@ def _ln_backward(ctx, gy, gmean, grstd):
 _ln_mod.register_autograd(_ln_backward, setup_context=_ln_setup)
 
 
+def _direct(*ts: torch.Tensor | None) -> bool:
+    """Whether a call may run its custom op's implementation directly: no autograd to record,
+    nothing tracing or watching (torch.compile, fake or functional tensors, vmap and the other
+    functorch transforms, a dispatch mode, the profiler, whose tables name the op). At a DiT-S/2
+    batch's sizes the custom op's Python dispatch cost more than its kernel (docs/history.md,
+    stop 79)."""
+    ts = [t for t in ts if t is not None]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
+        return False
+    if (torch.compiler.is_compiling() or torch.autograd.profiler._is_profiler_enabled
+            or _current_dispatch_mode() is not None or torch._C._functorch.peek_interpreter_stack() is not None):
+        return False
+    return all(type(t) is torch.Tensor for t in ts)
+
+
 def layernorm_modulate(x: torch.Tensor, scale: torch.Tensor | None = None,
                        shift: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
     """DiT's `modulate(norm(x), shift, scale)` in one pass: LayerNorm over the last dim without
@@ -285,8 +303,8 @@ def layernorm_modulate(x: torch.Tensor, scale: torch.Tensor | None = None,
             raise ValueError(f"layernorm_modulate: {name} must be (B, D) = {(B, D)}, got {tuple(t.shape)}")
     if (_autocast_bf16() and x.dtype == torch.float32
             and all(t is None or t.dtype == torch.bfloat16 for t in (scale, shift))):
-        return _ln_mod16(x, scale, shift, float(eps))[0]
-    return _ln_mod(x, scale, shift, float(eps))[0]
+        return (_ln_mod16_impl if _direct(x, scale, shift) else _ln_mod16)(x, scale, shift, float(eps))[0]
+    return (_ln_mod_impl if _direct(x, scale, shift) else _ln_mod)(x, scale, shift, float(eps))[0]
 
 
 # ------------------------- LayerNorm + modulate under torch.autocast: the bf16 GEMM input
@@ -299,8 +317,7 @@ def _bf16_cpu(t: torch.Tensor | None) -> bool:
     return t is None or (t.dtype == torch.bfloat16 and _strided_cpu(t))
 
 
-@torch.library.custom_op("autohc::layernorm_modulate_bf16", mutates_args=())
-def _ln_mod16(x: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | None,
+def _ln_mod16_impl(x: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | None,
               eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Under autocast: the fp32 stream x, the bf16 adaLN scale / shift -> y in bf16 (the next
     GEMM's input, rounded once from the fp32 result as autocast would round it), mean and
@@ -316,6 +333,9 @@ def _ln_mod16(x: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor |
     y, mean, rstd = _ln_mod_reference(x.float(), *(t.float() if t is not None else None
                                                    for t in (scale, shift)), eps)
     return y.to(torch.bfloat16), mean, rstd
+
+
+_ln_mod16 = torch.library.custom_op("autohc::layernorm_modulate_bf16", mutates_args=())(_ln_mod16_impl)
 
 
 @_ln_mod16.register_fake
@@ -397,8 +417,7 @@ softmax.register_autograd(lambda ctx, g: softmax_backward(g, ctx.saved_tensors[0
                           setup_context=lambda ctx, inputs, output: ctx.save_for_backward(output))
 
 
-@torch.library.custom_op("autohc::gated_residual", mutates_args=())
-def _gated(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+def _gated_impl(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     B, T, D = x.shape
     return fallback.kernel_or(
         lambda: _rows_call("gated_residual", x, y, gate, extra=(D, T), out_like=x),
@@ -406,8 +425,10 @@ def _gated(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor
         "gated", served=_fast(x, y) and _fast(gate) and x.numel() > 0)
 
 
-@torch.library.custom_op("autohc::gated_residual_bf16", mutates_args=())
-def _gated16(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+_gated = torch.library.custom_op("autohc::gated_residual", mutates_args=())(_gated_impl)
+
+
+def _gated16_impl(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """Under autocast: the fp32 stream x plus a bf16 GEMM output y times the bf16 gate, in fp32
     (the product is not rounded to bf16 first)."""
     B, T, D = x.shape
@@ -416,6 +437,9 @@ def _gated16(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tens
         lambda: x + gate.float()[:, None, :] * y.float(),
         "gated", served=_fast(x) and _fast_any(y) and y.dtype == torch.bfloat16
         and y.shape == x.shape and _bf16_cpu(gate) and x.numel() > 0)
+
+
+_gated16 = torch.library.custom_op("autohc::gated_residual_bf16", mutates_args=())(_gated16_impl)
 
 
 for _op in (_gated, _gated16):
@@ -465,9 +489,10 @@ def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torc
     if x.dim() != 3 or y.shape != x.shape or tuple(gate.shape) != (x.shape[0], x.shape[2]):
         raise ValueError(f"gated_residual: x, y must be (B, T, D) and gate (B, D); got "
                          f"{tuple(x.shape)}, {tuple(y.shape)}, {tuple(gate.shape)}")
+    direct = _direct(x, y, gate)
     if x.dtype == torch.float32 and y.dtype == gate.dtype == torch.bfloat16:
-        return _gated16(x, y, gate)
-    return _gated(x, y, gate)
+        return (_gated16_impl if direct else _gated16)(x, y, gate)
+    return (_gated_impl if direct else _gated)(x, y, gate)
 
 
 class FusedOps(NamedTuple):
