@@ -392,6 +392,7 @@ def test_calls_without_autograd_skip_the_custom_op_and_nothing_watching_loses_it
     (same bits as the op); with autograd to record, under a dispatch mode, the profiler or
     torch.compile they go through the custom op, which those see."""
     from torch.utils._python_dispatch import TorchDispatchMode
+    from autohc.torch import direct
     torch.manual_seed(0)
     x, y = torch.randn(2, 33, 96), torch.randn(2, 33, 96)
     gate, scale, shift = torch.randn(2, 96), torch.randn(2, 96), torch.randn(2, 96)
@@ -426,5 +427,5 @@ def test_calls_without_autograd_skip_the_custom_op_and_nothing_watching_loses_it
         both()
     assert calls == ["_gated", "_ln_mod"]
     inside = []
-    torch.vmap(lambda t: inside.append(ops._direct(t)) or t)(x)
-    assert ops._direct(x) and inside == [False]
+    torch.vmap(lambda t: inside.append(direct.runs_direct(t)) or t)(x)
+    assert direct.runs_direct(x) and inside == [False]

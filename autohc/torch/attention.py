@@ -34,6 +34,7 @@ from ..kernels.gemm.matmul import AtenFaster
 from ..runtime.memory import fresh_empty
 from ..tune import first_use, pipeline, registry
 from . import fallback
+from .direct import runs_direct
 from .threads import kernel_threads
 
 FLASH = "_scaled_dot_product_flash_attention_for_cpu"
@@ -207,15 +208,17 @@ def _laid_out(t: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
     return empty.copy_(t) if t.stride() != empty.stride() else t
 
 
-@torch.library.custom_op("autohc::attention", mutates_args=())
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     def math_path():
         out, lse = _math(q, k, v, scale)
         return (_laid_out(out, out_like_query(q)),
                 _laid_out(lse, lse_like(q).to(lse.dtype)))
     return fallback.kernel_or(lambda: forward_kernel(q, k, v, scale), math_path, "attention",
                               served=served(q, k, v))
+
+
+_attention = torch.library.custom_op("autohc::attention", mutates_args=())(_attention_impl)
 
 
 @_attention.register_fake
@@ -287,13 +290,16 @@ def _check_qkv(qkv: torch.Tensor, heads: int) -> None:
                          f"{tuple(qkv.shape)} with {heads} heads")
 
 
-@torch.library.custom_op("autohc::attention_qkv", mutates_args=())
-def _attention_qkv(qkv: torch.Tensor, heads: int,
-                   scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (B, T, H * hd), lse (B, H, T)) of the attention of qkv's q, k, v."""
+def _attention_qkv_impl(qkv: torch.Tensor, heads: int,
+                        scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (B, T, H * hd), lse (B, H, T)) of the attention of qkv's q, k, v (the inner
+    attention called as a function: this op is what tracing and the profiler see)."""
     B, T, C = qkv.shape
-    out, lse = _attention(*qkv_views(qkv, heads), scale)     # out: (B, T, H, hd) in memory
+    out, lse = _attention_impl(*qkv_views(qkv, heads), scale)     # out: (B, T, H, hd) in memory
     return out.transpose(1, 2).reshape(B, T, C // 3), lse
+
+
+_attention_qkv = torch.library.custom_op("autohc::attention_qkv", mutates_args=())(_attention_qkv_impl)
 
 
 @_attention_qkv.register_fake
@@ -348,7 +354,8 @@ def attention_qkv(qkv: torch.Tensor, heads: int, scale: float | None = None) -> 
     a (B, T, 3 * heads * head_dim) qkv, returned as (B, T, heads * head_dim) (what goes into
     proj); its backward writes d qkv in one pass (no stack, no permute copy)."""
     _check_qkv(qkv, heads)
-    return _attention_qkv(qkv, int(heads), None if scale is None else float(scale))[0]
+    op = _attention_qkv_impl if runs_direct(qkv) else _attention_qkv
+    return op(qkv, int(heads), None if scale is None else float(scale))[0]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
@@ -358,7 +365,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
             or k.shape[3] != q.shape[3]:
         raise ValueError(f"attention: q must be (B, H, L, D) and k, v (B, H, S, D); got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    return _attention(q, k, v, None if scale is None else float(scale))[0]
+    op = _attention_impl if runs_direct(q, k, v) else _attention
+    return op(q, k, v, None if scale is None else float(scale))[0]
 
 
 # ------------------------------------------- aten CPU kernels for autohc.install()

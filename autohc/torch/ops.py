@@ -25,7 +25,6 @@ import os
 from typing import Callable, NamedTuple
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 from ..hw import cpu
 from ..kernels.eltwise import KERNELS, EltwiseParams, default_eltwise
@@ -33,6 +32,7 @@ from ..kernels.eltwise.codegen import library
 from ..runtime.memory import fresh_like as _fresh_like
 from ..tune import registry
 from . import fallback
+from .direct import runs_direct
 from .threads import kernel_threads
 
 _forced: dict[str, EltwiseParams] = {}     # kernel -> params, set by the tuner for one trial
@@ -275,21 +275,6 @@ def _ln_backward(ctx, gy, gmean, grstd):
 _ln_mod.register_autograd(_ln_backward, setup_context=_ln_setup)
 
 
-def _direct(*ts: torch.Tensor | None) -> bool:
-    """Whether a call may run its custom op's implementation directly: no autograd to record,
-    nothing tracing or watching (torch.compile, fake or functional tensors, vmap and the other
-    functorch transforms, a dispatch mode, the profiler, whose tables name the op). At a DiT-S/2
-    batch's sizes the custom op's Python dispatch cost more than its kernel (docs/history.md,
-    stop 79)."""
-    ts = [t for t in ts if t is not None]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
-        return False
-    if (torch.compiler.is_compiling() or torch.autograd.profiler._is_profiler_enabled
-            or _current_dispatch_mode() is not None or torch._C._functorch.peek_interpreter_stack() is not None):
-        return False
-    return all(type(t) is torch.Tensor for t in ts)
-
-
 def layernorm_modulate(x: torch.Tensor, scale: torch.Tensor | None = None,
                        shift: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
     """DiT's `modulate(norm(x), shift, scale)` in one pass: LayerNorm over the last dim without
@@ -303,8 +288,8 @@ def layernorm_modulate(x: torch.Tensor, scale: torch.Tensor | None = None,
             raise ValueError(f"layernorm_modulate: {name} must be (B, D) = {(B, D)}, got {tuple(t.shape)}")
     if (_autocast_bf16() and x.dtype == torch.float32
             and all(t is None or t.dtype == torch.bfloat16 for t in (scale, shift))):
-        return (_ln_mod16_impl if _direct(x, scale, shift) else _ln_mod16)(x, scale, shift, float(eps))[0]
-    return (_ln_mod_impl if _direct(x, scale, shift) else _ln_mod)(x, scale, shift, float(eps))[0]
+        return (_ln_mod16_impl if runs_direct(x, scale, shift) else _ln_mod16)(x, scale, shift, float(eps))[0]
+    return (_ln_mod_impl if runs_direct(x, scale, shift) else _ln_mod)(x, scale, shift, float(eps))[0]
 
 
 # ------------------------- LayerNorm + modulate under torch.autocast: the bf16 GEMM input
@@ -489,7 +474,7 @@ def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torc
     if x.dim() != 3 or y.shape != x.shape or tuple(gate.shape) != (x.shape[0], x.shape[2]):
         raise ValueError(f"gated_residual: x, y must be (B, T, D) and gate (B, D); got "
                          f"{tuple(x.shape)}, {tuple(y.shape)}, {tuple(gate.shape)}")
-    direct = _direct(x, y, gate)
+    direct = runs_direct(x, y, gate)
     if x.dtype == torch.float32 and y.dtype == gate.dtype == torch.bfloat16:
         return (_gated16_impl if direct else _gated16)(x, y, gate)
     return (_gated_impl if direct else _gated)(x, y, gate)
