@@ -92,7 +92,7 @@ def test_dit_with_fused_ops_runs_it_and_matches_plain_torch():
 def test_calls_without_autograd_run_the_kernel_directly_and_a_mode_still_sees_the_op(monkeypatch):
     """attention_qkv and attention under no_grad skip the custom ops' dispatch (the same bits);
     with autograd to record, or under a dispatch mode, they are the ops."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from dispatch_log import DispatchLog
     torch.manual_seed(0)
     qkv = torch.randn(2, 40, 3 * 4 * 16)
     q, k, v = (torch.randn(2, 4, 40, 16) for _ in range(3))
@@ -107,12 +107,6 @@ def test_calls_without_autograd_run_the_kernel_directly_and_a_mode_still_sees_th
     A.attention_qkv(qkv.clone().requires_grad_(), 4).sum().backward()
     assert calls == ["_attention_qkv"]
 
-    class Seen(TorchDispatchMode):
-        names: list = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Seen.names.append(str(func))
-            return func(*args, **(kwargs or {}))
-    with torch.no_grad(), Seen():
+    with torch.no_grad(), DispatchLog() as log:
         got = A.attention_qkv(qkv, 4)
-    assert any("autohc.attention_qkv" in n for n in Seen.names) and torch.equal(got, want[0])
+    assert any("autohc.attention_qkv" in n for n in log.names) and torch.equal(got, want[0])

@@ -391,7 +391,7 @@ def test_calls_without_autograd_skip_the_custom_op_and_nothing_watching_loses_it
     """layernorm_modulate and gated_residual under no_grad run their implementation directly
     (same bits as the op); with autograd to record, under a dispatch mode, the profiler or
     torch.compile they go through the custom op, which those see."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from dispatch_log import DispatchLog
     from autohc.torch import direct
     torch.manual_seed(0)
     x, y = torch.randn(2, 33, 96), torch.randn(2, 33, 96)
@@ -412,15 +412,9 @@ def test_calls_without_autograd_skip_the_custom_op_and_nothing_watching_loses_it
     ops.gated_residual(xg, y, gate).sum().backward()
     assert calls == ["_gated"] and xg.grad is not None
 
-    class Seen(TorchDispatchMode):
-        names: list = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Seen.names.append(str(func))
-            return func(*args, **(kwargs or {}))
-    with torch.no_grad(), Seen():
+    with torch.no_grad(), DispatchLog() as log:
         got = both()
-    assert any("autohc.gated_residual" in n for n in Seen.names) and any("autohc.layernorm_modulate" in n for n in Seen.names)
+    assert any("autohc.gated_residual" in n for n in log.names) and any("autohc.layernorm_modulate" in n for n in log.names)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     calls.clear()
     with torch.no_grad(), torch.profiler.profile():
