@@ -420,6 +420,12 @@ def test_calls_without_autograd_skip_the_custom_op_and_nothing_watching_loses_it
     with torch.no_grad(), torch.profiler.profile():
         both()
     assert calls == ["_gated", "_ln_mod"]
+    import warnings
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)     # (the shape checks)
+        warnings.simplefilter("ignore", DeprecationWarning)          # (torch.jit.trace is, still traced by users)
+        traced = torch.jit.trace(lambda x, y, g: ops.gated_residual(x, y, g), (x, y, gate))
+    assert "autohc::gated_residual" in str(traced.graph)
     inside = []
     torch.vmap(lambda t: inside.append(direct.runs_direct(t)) or t)(x)
     assert direct.runs_direct(x) and inside == [False]

@@ -8,13 +8,13 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_
 
 
 def runs_direct(*ts: torch.Tensor | None) -> bool:
-    """No autograd to record, and nothing tracing or watching: torch.compile, fake or functional
-    tensors, vmap and the other functorch transforms, a dispatch mode, the profiler (whose
-    tables name the op)."""
+    """No autograd to record, and nothing tracing or watching: torch.compile, torch.jit.trace,
+    fake or functional tensors, vmap and the other functorch transforms, a dispatch mode, the
+    profiler (whose tables name the op)."""
     ts = [t for t in ts if t is not None]
     if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
         return False
-    if (torch.compiler.is_compiling() or torch.autograd.profiler._is_profiler_enabled
+    if (torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.autograd.profiler._is_profiler_enabled
             or _current_dispatch_mode() is not None or torch._C._functorch.peek_interpreter_stack() is not None):
         return False
     return all(type(t) is torch.Tensor for t in ts)
