@@ -275,11 +275,12 @@ class DiT(nn.Module):
         return self.unpatchify(x if split is None else split.gather(x))
 
     def forward_with_cfg(self, x, t, y, cfg_scale: float):
-        """Classifier-free guidance: eps = eps(null) + s (eps(y) - eps(null)) on the first C channels."""
+        """Classifier-free guidance: eps = eps(null) + s (eps(y) - eps(null)) on the first C channels,
+        formed in fp32 (under autocast the eps come out bf16; CFG parallel guides in fp32 too)."""
         null = torch.full_like(y, self.num_classes)
         out = self.forward(torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, null]))
         eps, rest = out[:, :self.in_channels], out[:, self.in_channels:]
-        cond, uncond = eps.chunk(2)
+        cond, uncond = eps.float().chunk(2)
         guided = uncond + cfg_scale * (cond - uncond)
         return torch.cat([guided, rest.chunk(2)[0]], dim=1)
 

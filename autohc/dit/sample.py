@@ -32,20 +32,16 @@ def guided_eps(model, arch: dict, y: torch.Tensor, cfg: float, precision: str = 
     """eps_fn(x, t) of the diffusion sampler for labels y: classifier-free guidance at scale cfg
     (the batch doubled: conditional and null class) where the model learned a null class
     (label dropout), else the conditional model alone. precision "bf16": the model under
-    torch.autocast bf16 (dit/precision.py), its eps handed back in fp32 and guided in fp32, so
-    that the guidance and the sampler's update (DDIM, DDPM) are fp32 as in CFG parallel."""
+    torch.autocast bf16 (dit/precision.py), its eps guided in fp32 (DiT.forward_with_cfg) and
+    handed back in fp32, so that the guidance and the sampler's update (DDIM, DDPM) are fp32
+    as in CFG parallel."""
     C = arch["in_channels"]
     guided = cfg != 1.0 and arch["class_dropout"] > 0
 
     def eps_fn(x, t):
-        if not guided:
-            with autocast(precision):
-                return model(x, t, y)[:, :C].float()
-        null = torch.full_like(y, model.num_classes)
-        with autocast(precision):       # (model.forward_with_cfg's batch; the guidance in fp32)
-            out = model(torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, null]))
-        cond, uncond = out[:, :C].float().chunk(2)
-        return uncond + cfg * (cond - uncond)
+        with autocast(precision):
+            out = model.forward_with_cfg(x, t, y, cfg) if guided else model(x, t, y)
+        return out[:, :C].float()
     return eps_fn
 
 
