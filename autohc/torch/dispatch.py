@@ -35,7 +35,8 @@ import warnings
 
 import torch
 
-from ..kernels.gemm.matmul import AtenFaster, bmm_into, gemm_bf16_into, gemm_into, prepared_gemm_into
+from ..kernels.gemm.matmul import (AtenFaster, bmm_into, byte_offsets, gemm_bf16_into, gemm_into,
+                                   prepared_gemm_into)
 from ..runtime import omp
 from ..runtime import plan as cpu_plan
 from ..runtime.memory import fresh_empty
@@ -273,12 +274,7 @@ def _baddbmm(inp, b1, b2, *, beta=1, alpha=1):
 # the buffer fits; a call not served goes to ATen's own kernel (served.ATEN_OUT).
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
-    """The bytes t's elements occupy, as offsets from its data_ptr: [lo, hi)."""
-    if t.numel() == 0:
-        return 0, 0
-    ends = [(n - 1) * s for n, s in zip(t.shape, t.stride())]
-    lo, hi = sum(min(0, e) for e in ends), sum(max(0, e) for e in ends) + 1
-    return lo * t.element_size(), hi * t.element_size()
+    return byte_offsets(t.shape, t.stride(), t.element_size())
 
 
 def _bound_out_route(name: str, general, x, y, out, alpha, beta, bias, inp=None):

@@ -79,13 +79,13 @@ _ENV_KEYS = ("AUTOHC_REGISTRY", "AUTOHC_CACHE_DIR", "XDG_CACHE_HOME")
 _ENV_BYTES = tuple(k.encode() for k in _ENV_KEYS)
 
 
+_env_get, _env_names = ((_ENV_DATA.get, _ENV_BYTES) if isinstance(_ENV_DATA, dict)
+                        else (os.environ.get, _ENV_KEYS))
+
+
 def _env() -> tuple:
     """The variables that name the registry file, as they are now."""
-    if isinstance(_ENV_DATA, dict):
-        get = _ENV_DATA.get
-        return (get(_ENV_BYTES[0]), get(_ENV_BYTES[1]), get(_ENV_BYTES[2]))
-    get = os.environ.get
-    return (get(_ENV_KEYS[0]), get(_ENV_KEYS[1]), get(_ENV_KEYS[2]))
+    return (_env_get(_env_names[0]), _env_get(_env_names[1]), _env_get(_env_names[2]))
 
 
 def load() -> dict:

@@ -162,6 +162,15 @@ def outdated_default(hit, threads: int) -> bool:
 
 # ----------------------------------------------------------------------------- operands
 
+def byte_offsets(shape, strides, itemsize: int) -> tuple[int, int]:
+    """The bytes [lo, hi) that elements of `shape` at element `strides` occupy, as offsets from
+    the first element's address ((0, 0) when there are none)."""
+    if 0 in shape:
+        return 0, 0
+    ends = [(n - 1) * s for n, s in zip(shape, strides)]
+    return itemsize * sum(min(0, e) for e in ends), itemsize * (sum(max(0, e) for e in ends) + 1)
+
+
 class _Operand:
     """A 2-D float32 (or bfloat16) operand seen as (address, shape, element strides)."""
     __slots__ = ("obj", "ptr", "shape", "strides", "itemsize", "f32")
@@ -172,12 +181,8 @@ class _Operand:
 
     def nbytes_span(self) -> tuple[int, int]:
         """The addresses [first, past the last) of the bytes its elements occupy."""
-        (m, n), (sm, sn) = self.shape, self.strides
-        lo, hi = 0, -1                  # (in elements from ptr)
-        if m and n:
-            em, en = (m - 1) * sm, (n - 1) * sn
-            lo, hi = min(0, em) + min(0, en), max(0, em) + max(0, en)
-        return self.ptr + self.itemsize * lo, self.ptr + self.itemsize * (hi + 1)
+        lo, hi = byte_offsets(self.shape, self.strides, self.itemsize)
+        return self.ptr + lo, self.ptr + hi
 
     def overlaps(self, span: tuple[int, int]) -> bool:
         """Whether any of its bytes lies in `span` (another operand's nbytes_span())."""
