@@ -1,8 +1,6 @@
 """The one timing protocol (autohc/bench/timing.py): its cold-cache form."""
 import time
 
-import pytest
-
 from autohc.bench import timing
 
 
