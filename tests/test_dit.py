@@ -429,9 +429,9 @@ def test_bench_step_autohc_under_compile(monkeypatch):
     from autohc.bench.step import bench_step
     from autohc.dit import model
     from autohc.torch import served
-    # two blocks, not twelve: inductor's compile time grows with the blocks it traces (127 s of
-    # the suite at twelve), and what is checked (GEMMs on autohc, stock losses) holds per block
-    # (a name of its own: bench.step keeps per-model figures that other tests read for DiT-Ti/8)
+    # two blocks, not twelve: inductor's compile time grows with the blocks it traces, and what
+    # is checked (GEMMs on autohc, stock losses) holds per block. A name of its own, because
+    # bench.step.step_flops_by_class caches its counts by model name.
     monkeypatch.setitem(model.MODELS, "DiT-Ti2/8", model.DiTConfig(2, 192, 3, 8))
     before = served.stats["autohc"]
     r = bench_step("DiT-Ti2/8", 2, image_size=16, steps=2, warmup=1, modes=["stock", "autohc+compile"])

@@ -618,7 +618,7 @@ def test_every_bf16_backend_compiles_standalone(name, tmp_path):
     an error: AMX and AVX512_BF16 included on CPUs that cannot run them, and the AMX kernel
     with its tiles emulated (the tests' build of it). Every option's variant compiles on the
     real tiles; the emulated build swaps only the tile instructions, so it compiles the two
-    loop orders (42 s of the suite with every variant)."""
+    loop orders."""
     isa, emulated = name.removesuffix("-emulated"), name.endswith("-emulated")
     variants = [(1, False, {}), (2, True, {})] + ([(2, True, {"c_tiles": True, "kc_inner": 128, "sink_every": 8,
                                                               "a_direct": True, "defer_epilogue": True,
