@@ -104,3 +104,59 @@ def test_frozen_packed_weights_equal_unfrozen_and_edits_are_repacked():
     with pytest.raises(TypeError, match="packed"):
         with autohc.frozen(lin, packed="yes"):
             pass
+
+
+@pytest.mark.skipif(not served.bf16_served(), reason="this CPU has no bf16 GEMM back-end")
+def test_fc1_gelu_is_one_kernel_when_sampling_and_two_calls_when_training():
+    """FusedOps.linear_gelu: with nothing to differentiate, under install() and autocast bf16,
+    fc1 + bias + GELU run as one kernel (GELU in the GEMM's store): GELU of the fp32 result
+    rounded once, so within a bf16 rounding of the two calls (which round the pre-activation
+    too); frozen or not, and an fc1 edited while frozen is served as edited. With gradients
+    (training), or without autocast, or on a hooked fc1, exactly F.gelu(fc1(x))."""
+    from autohc.ops import FUSED
+    from autohc.torch import autocast as ac
+    torch.manual_seed(0)
+    fc1 = torch.nn.Linear(96, 200)
+    x = torch.randn(3, 43, 96)
+
+    def both(x, **kw):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return (FUSED.linear_gelu(x, fc1),
+                    torch.nn.functional.gelu(fc1(x), approximate="tanh"))
+
+    calls = []
+    real = ac._linear_gelu_impl
+    with autohc.installed(first_use_tuning=False), torch.no_grad():
+        ac._linear_gelu_impl = lambda *a: calls.append(1) or real(*a)
+        try:
+            fused, two = both(x)
+            assert calls and fused.shape == (3, 43, 200) and fused.dtype == torch.bfloat16
+            err = (fused.float() - two.float()).abs()
+            assert (err <= 2 ** -7 * two.float().abs() + 2e-3).all() and not torch.equal(fused, two)
+            with autohc.frozen(fc1):
+                assert torch.equal(both(x)[0], fused)
+                fc1.weight.mul_(-1)                       # an edit: never served stale
+                edited, two_edited = both(x)
+            assert (edited.float() - two_edited.float()).abs().max() <= 2 ** -7 * two_edited.float().abs().max() + 2e-3
+            assert not torch.equal(edited, fused)
+            fc1.weight.mul_(-1)
+            n = len(calls)
+            fc1.register_forward_hook(lambda *a: None)
+            hooked, two = both(x)
+            assert len(calls) == n and torch.equal(hooked, two)
+            fc1._forward_hooks.clear()
+        finally:
+            ac._linear_gelu_impl = real
+    with autohc.installed(first_use_tuning=False):
+        xg = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = FUSED.linear_gelu(xg, fc1)
+            ref = torch.nn.functional.gelu(fc1(xg), approximate="tanh")
+        assert torch.equal(y, ref)
+        y.float().sum().backward()                        # (a graph through fc1 and GELU)
+        assert xg.grad is not None and fc1.weight.grad is not None
+        with torch.no_grad():
+            assert torch.equal(FUSED.linear_gelu(x, fc1), torch.nn.functional.gelu(fc1(x), approximate="tanh"))
+        w, b = fc1.weight.detach(), fc1.bias.detach()
+        torch.library.opcheck(torch.ops.autohc.linear_gelu_fp32w.default,
+                              (x.reshape(-1, 96).to(torch.bfloat16), w, b))

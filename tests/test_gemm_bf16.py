@@ -991,3 +991,44 @@ def test_b_packed_whole_gives_the_packed_per_call_bits(packing_unit):
     assert torch.equal(outs[0], outs[1])
     # the B-outer order packs B itself: it takes no packing
     assert not get_kernel(bf16_params(isa, 1, a_outer=False, a_direct=False, **PACKED_ONLY)).reads_packed_b
+
+
+def test_gelu_epilogue_is_gelu_of_the_fp32_result_rounded_once(unit_isa, monkeypatch):
+    """epilogue gelu_tanh (fc1 + bias + GELU in one kernel): the bf16 C is GELU of the same
+    kernel's fp32 result, rounded once: within a bf16 half-ulp plus the GELU form's 3e-7
+    relative of float64 GELU of it, on one and several K panels, M under the skinny bound,
+    ragged N, K = 0 (GELU of the bias), a bias and none, both loop orders, strided A, a C
+    that is a column slice of a wider tensor (nothing written outside it), 1 and 2 threads."""
+    isa = unit_isa
+    from autohc.kernels.gemm import matmul
+    from autohc.kernels.gemm.matmul import gemm_bf16_into
+    rng = random.Random(7)
+    gelu64 = lambda t: torch.nn.functional.gelu(t.double(), approximate="tanh")
+    for threads in (1, 2):
+        for a_outer in (False, True):
+            p = bf16_params(isa, threads, kc=64, a_outer=a_outer, skinny_m=0)
+            for m, k, n in [(37, 64, 50), (61, 200, 97), (5, 130, 33), (16, 64, 48), (9, 0, 7)]:
+                layout = ("NT", "NN")[(m + threads) % 2]
+                a, b = operands(layout, m, k, n, rng, strided=m % 2 == 1)
+                a = a.to(torch.bfloat16)
+                bias = torch.randn(n) if (m + k) % 2 else None
+                what = f"{isa} t{threads} a_outer={a_outer} {layout} {m}x{k}x{n} bias={bias is not None}"
+                c0 = torch.zeros(m, n) if bias is None else bias.expand(m, n).contiguous()
+                f32 = autohc.matmul(a, b, out=c0, alpha=0.5, beta=1.0, params=p, compute="bf16")
+                wide = torch.full((m, n + 9), 7.0, dtype=torch.bfloat16)
+                out = wide[:, 3:3 + n]
+                # (the problem's kernel, as the registry would choose it)
+                monkeypatch.setattr(matmul, "_override_params", lambda *_: p)
+                assert gemm_bf16_into(a, b, out, 0.5, threads, bias, 1.0, epilogue="gelu_tanh")
+                ref = gelu64(f32)
+                err = (out.double() - ref).abs()
+                assert (err <= 2.0 ** -8 * ref.abs() + 4e-7 * ref.abs() + 1e-7).all(), what
+                assert (wide[:, :3] == 7).all() and (wide[:, 3 + n:] == 7).all(), what + ": wrote outside C"
+                plain = torch.empty(m, n, dtype=torch.bfloat16)
+                assert gemm_bf16_into(a, b, plain, 0.5, threads, bias, 1.0)
+                assert not torch.equal(out, plain) or k == 0 and bias is None, what + ": no GELU"
+    with pytest.raises(ParamError, match="epilogue"):
+        dataclasses.replace(bf16_params("avx512bf16", 1), skinny_m=16, epilogue="gelu_tanh").validate()
+    with pytest.raises(ParamError, match="epilogue"):
+        GemmParams(isa="avx512", vl=16, mr=12, nr=32, epilogue="gelu_tanh").validate()
+

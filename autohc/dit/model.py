@@ -10,8 +10,9 @@ build_model(..., fused_ops=ops)) with an object that has `layernorm_modulate(x, 
 eps)` and `gated_residual(x, y, gate)` (autohc.ops.FUSED has both) makes each block's LayerNorm +
 adaLN modulate and gated residual one fused kernel each, and, where it also has
 `qkv_attention(qkv, heads)` (FUSED has), the attention reads q, k, v from the qkv output and
-its backward writes d qkv in one pass; without it, plain torch, the same results to float32
-rounding.
+its backward writes d qkv in one pass, and where it has `linear_gelu(x, fc1)` (FUSED has), the
+MLP's fc1 and GELU are one call (one kernel when sampling in bf16); without them, plain torch,
+the same results to float32 rounding.
 """
 from __future__ import annotations
 
@@ -154,8 +155,12 @@ class Mlp(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden, bias=True)
         self.fc2 = nn.Linear(hidden, dim, bias=True)
+        self.fused = None           # the fused operators, set by DiT.use_fused_ops
 
     def forward(self, x):
+        fc1_gelu = getattr(self.fused, "linear_gelu", None)
+        if fc1_gelu is not None:
+            return self.fc2(fc1_gelu(x, self.fc1))
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
 
@@ -221,7 +226,7 @@ class DiT(nn.Module):
         """Run the blocks' LayerNorm + modulate and gated residual on `ops` (e.g. autohc.ops),
         or on plain torch with None."""
         for m in self.modules():
-            if isinstance(m, (DiTBlock, FinalLayer, Attention)):
+            if isinstance(m, (DiTBlock, FinalLayer, Attention, Mlp)):
                 m.fused = ops
         return self
 

@@ -30,6 +30,7 @@ import torch
 from ..kernels.gemm.matmul import gemm_bf16_into, gemm_into
 from ..runtime.memory import fresh_empty
 from . import fallback, frozen, served
+from .direct import runs_direct
 from .threads import kernel_threads
 
 _KEY = torch._C.DispatchKey.AutocastCPU
@@ -96,6 +97,54 @@ def linear_fp32w(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> to
 @linear_fp32w.register_fake
 def _(x, w, b):
     return x.new_empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
+
+
+def _linear_gelu_impl(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    y = fresh_empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
+    w16 = frozen.bf16_weight(w)
+    packed = frozen.packed_weight(w) if w16 is not None else None
+
+    def kernel():
+        gemm_bf16_into(x, (w if w16 is None else w16).t(), y, 1.0, kernel_threads(), b, 1.0, packed,
+                       epilogue="gelu_tanh")
+        return served.by_autohc(y)
+    return fallback.kernel_or(kernel, lambda: torch.nn.functional.gelu(
+        linear_fp32w(x, w, b), approximate="tanh"), "linear_gelu")
+
+
+# (no autograd: linear_gelu takes it only where there is no gradient to record)
+_linear_gelu = torch.library.custom_op("autohc::linear_gelu_fp32w", mutates_args=())(_linear_gelu_impl)
+_linear_gelu.__doc__ = """GELU(tanh)(x (bf16, M x K) · wᵀ + b) in bf16, w (N x K) and b float32:
+    linear_fp32w's GEMM with GELU applied in its store, the pre-activation never written."""
+
+
+@_linear_gelu.register_fake
+def _(x, w, b):
+    return x.new_empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
+
+
+def _unhooked(linear: torch.nn.Module) -> bool:
+    """A plain nn.Linear whose forward nothing watches or changes (calling F.linear on its
+    parameters is then the same as calling it)."""
+    from torch.nn.modules import module
+    return (type(linear) is torch.nn.Linear and not linear._forward_hooks and not linear._forward_pre_hooks
+            and not module._global_forward_hooks and not module._global_forward_pre_hooks)
+
+
+def linear_gelu(x: torch.Tensor, linear: torch.nn.Module) -> torch.Tensor:
+    """F.gelu(linear(x), approximate="tanh"): DiT's fc1 and GELU (a FusedOps field). Under
+    install() and autocast bf16 with no gradient to record (sampling), one kernel: fc1's GEMM
+    with its bias and GELU in its bf16 store, so the pre-activation is neither written nor read
+    back; elsewhere (training: the backward needs the pre-activation) exactly the two calls."""
+    from .dispatch import is_installed
+    w, b = linear.weight, linear.bias
+    if (torch.is_autocast_enabled("cpu") and is_installed() and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, b)))
+            and _unhooked(linear) and _served(x, w, b)):
+        N, K = w.shape
+        x2 = x.to(torch.bfloat16).reshape(-1, K)
+        y = (_linear_gelu_impl if runs_direct(x2) else _linear_gelu)(x2, w, b)   # (w, b: Parameters)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], N)
+    return torch.nn.functional.gelu(linear(x), approximate="tanh")
 
 
 def _dx(dy: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -485,6 +485,7 @@ class FusedOps(NamedTuple):
     layernorm_modulate: Callable
     gated_residual: Callable
     qkv_attention: Callable | None = None
+    linear_gelu: Callable | None = None     # (x, fc1) -> GELU(tanh)(fc1(x))
 
 
 def _qkv_attention(qkv: torch.Tensor, heads: int) -> torch.Tensor:
@@ -492,7 +493,12 @@ def _qkv_attention(qkv: torch.Tensor, heads: int) -> torch.Tensor:
     return attention_qkv(qkv, heads)
 
 
-FUSED = FusedOps(layernorm_modulate, gated_residual, _qkv_attention)
+def _linear_gelu(x: torch.Tensor, linear: torch.nn.Module) -> torch.Tensor:
+    from .autocast import linear_gelu     # (autocast.py is imported after this module)
+    return linear_gelu(x, linear)
+
+
+FUSED = FusedOps(layernorm_modulate, gated_residual, _qkv_attention, _linear_gelu)
 
 
 # ------------------------------------------------- aten CPU kernels for autohc.install()

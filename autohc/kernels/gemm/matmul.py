@@ -14,6 +14,8 @@ elsewhere rounded once from an fp32 C.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numbers
 import threading
 
@@ -24,6 +26,7 @@ from ...runtime import cftp
 from ...tune import registry
 from .family import m_bucket
 from .kernel import KernelError, default_kernel_params, get_kernel
+from ..isa import BF16_ISAS
 from .params import MAX_THREADS, GemmParams
 
 try:  # torch is a dependency, but keep numpy-only use possible
@@ -388,7 +391,7 @@ def bmm_into(a, b, out, alpha: float, beta: float, threads: int):
 
 
 def gemm_bf16_into(a, b, out, alpha: float, threads: int, bias=None, beta: float = 1.0,
-                   packed_b=None) -> bool:
+                   packed_b=None, epilogue: str = "none") -> bool:
     """out := bf16(alpha * a @ b [+ beta * bias in every row]) for bfloat16 (or float32) CPU tensors
     a, b checked by the caller (the torch override), out bfloat16 (M, N); bias: a float32 or
     bfloat16 tensor of out's row shape. Written by the bf16 kernel itself (its last K panel
@@ -396,9 +399,15 @@ def gemm_bf16_into(a, b, out, alpha: float, threads: int, bias=None, beta: float
     do that or out has no unit column stride: the caller's fallback computes another way.
     packed_b: called with the kernel that runs, where it reads a B packed whole
     (`reads_packed_b`): that kernel's packing of b (a bf16 tensor of packed_b_elems, e.g.
-    autohc.frozen's, made once), or None to pack b as usual."""
+    autohc.frozen's, made once), or None to pack b as usual. epilogue "gelu_tanh": out :=
+    bf16(GELU(alpha a @ b + beta bias)), by the problem's kernel with GELU in its store (built
+    without the skinny paths, which have no epilogue: a small M takes the packed path)."""
     A, B = operand_raw(a), operand_raw(b)
     params = _override_params(A, B, threads, "bf16")
+    if epilogue != "none":
+        if params.isa not in BF16_ISAS:
+            raise KernelError(f"epilogue {epilogue}: no bf16 store on the {params.isa} back-end")
+        params = dataclasses.replace(params, epilogue=epilogue, skinny_m=0, skinny_unit="auto").validate()
     if bias is not None:
         bias = bias.to(torch.float32).contiguous()
     if not _run_bf16c("torch", a, b, A, B, operand_raw(out), alpha, threads, params, bias, beta, packed_b):

@@ -29,12 +29,13 @@ CHOICES: dict[str, tuple] = {
     "prefetch_c": (False, True), "a_outer": (False, True), "own_rows": (False, True),
     "c_tiles": (False, True), "skinny_unit": ("auto", "dot", "fma", "tile"), "a_direct": (False, True),
     "defer_epilogue": (False, True), "prefetch_next_a": (False, True), "own_rows_by_k": (False, True),
+    "epilogue": ("none", "gelu_tanh"),
 }
 # fields that to_dict leaves out at these values (each added later: fp32 sets before bf16, ...)
 OMITTED_AT = {"dtype": "fp32", "c_tiles": False, "skinny_unit": "auto", "kc_inner": 0, "sink_every": 0,
               "a_direct": False, "defer_epilogue": False, "prefetch_next_a": False,
               "own_rows_by_k": False, "stream_b_k": 0, "one_panel_k": 0, "own_rows_b_kib": 0,
-              "a_direct_n": 0}
+              "a_direct_n": 0, "epilogue": "none"}
 # names of earlier releases, still read from registries written by them
 LEGACY_NAMES = {"clusters": "jc_ways", "tm": "ic_ways", "tn": "jr_ways"}
 RETIRED = {"pin", "spin_us"}       # now the worker pool's (runtime/pool.py), not a kernel's
@@ -129,6 +130,10 @@ class GemmParams:
     # is at most this; past it the pack is paid over many B micro-panels and a packed A
     # micro-panel streamed a little better (measured on a Zen 4: docs/history.md, stop 66)
     a_direct_n: int = 0
+    # bf16 back-ends (amx, avx512bf16), without skinny paths: "gelu_tanh" applies GELU (tanh
+    # form) to each fp32 result of a bf16 C before its one rounding, in the store (fc1 + bias +
+    # GELU as one kernel; templates/common/gelu_bf16.c.j2). An fp32 C is written as it is.
+    epilogue: str = "none"
 
     @property
     def threads(self) -> int:
@@ -217,6 +222,9 @@ class GemmParams:
         if self.skinny_unit != "auto" and self.isa not in BF16_ISAS:
             raise ParamError(f"skinny_unit={self.skinny_unit!r}: the bf16 back-ends' skinny paths "
                              f"have it, not {self.isa}; must be 'auto'")
+        if self.epilogue != "none" and (self.isa not in BF16_ISAS or self.skinny_m):
+            raise ParamError(f"epilogue={self.epilogue!r}: in the bf16 store of the amx and avx512bf16 "
+                             f"back-ends, without skinny paths (skinny_m 0); not {self.isa} with skinny_m={self.skinny_m}")
         if self.isa != "amx":
             regs = self.mr * nv + nv + 1    # accumulators + B vectors + the A broadcast
             if regs > spec.registers:
