@@ -269,7 +269,9 @@ class DiT(nn.Module):
         if x.dim() != 4 or tuple(x.shape[1:]) != (self.in_channels, self.input_size, self.input_size):
             raise ValueError(f"DiT: x must be (N, {self.in_channels}, {self.input_size}, {self.input_size}), "
                              f"got {tuple(x.shape)}")
-        x = self.x_embedder(x) + self.pos_embed
+        # (pos_embed first: the sum takes its contiguous layout, not the patch embedding's
+        # transposed one, which every block's first fused op would otherwise copy)
+        x = self.pos_embed + self.x_embedder(x)
         split = self.token_split
         if split is not None:
             x = split.local(x)
