@@ -112,7 +112,8 @@ def test_fc1_gelu_is_one_kernel_when_sampling_and_two_calls_when_training():
     fc1 + bias + GELU run as one kernel (GELU in the GEMM's store): GELU of the fp32 result
     rounded once, so within a bf16 rounding of the two calls (which round the pre-activation
     too); frozen or not, and an fc1 edited while frozen is served as edited. With gradients
-    (training), or without autocast, or on a hooked fc1, exactly F.gelu(fc1(x))."""
+    (training) the kernel also writes the pre-activation, and the gradients are the two
+    calls' bit for bit. Not installed, or on a hooked fc1: exactly F.gelu(fc1(x))."""
     from autohc.ops import FUSED
     from autohc.torch import autocast as ac
     torch.manual_seed(0)
@@ -148,15 +149,22 @@ def test_fc1_gelu_is_one_kernel_when_sampling_and_two_calls_when_training():
         finally:
             ac._linear_gelu_impl = real
     with autohc.installed(first_use_tuning=False):
-        xg = x.clone().requires_grad_()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = FUSED.linear_gelu(xg, fc1)
-            ref = torch.nn.functional.gelu(fc1(xg), approximate="tanh")
-        assert torch.equal(y, ref)
-        y.float().sum().backward()                        # (a graph through fc1 and GELU)
-        assert xg.grad is not None and fc1.weight.grad is not None
-        with torch.no_grad():
-            assert torch.equal(FUSED.linear_gelu(x, fc1), torch.nn.functional.gelu(fc1(x), approximate="tanh"))
+        grads = []
+        for fuse in (True, False):          # training: the pre-activation written beside GELU
+            xg = x.clone().requires_grad_()
+            fc1.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = FUSED.linear_gelu(xg, fc1) if fuse else torch.nn.functional.gelu(fc1(xg), approximate="tanh")
+            y.backward(torch.linspace(-1, 1, y.numel()).reshape(y.shape).to(y.dtype))
+            grads.append((y, xg.grad, fc1.weight.grad, fc1.bias.grad))
+        (y, *g1), (ref, *g2) = grads
+        assert (y.float() - ref.float()).abs().max() <= 2 ** -7 * ref.float().abs().max() and not torch.equal(y, ref)
+        for a, b in zip(g1, g2):    # GELU's backward reads the same bf16 pre-activation
+            assert torch.equal(a, b)
         w, b = fc1.weight.detach(), fc1.bias.detach()
-        torch.library.opcheck(torch.ops.autohc.linear_gelu_fp32w.default,
-                              (x.reshape(-1, 96).to(torch.bfloat16), w, b))
+        x16 = x.reshape(-1, 96).to(torch.bfloat16)
+        torch.library.opcheck(torch.ops.autohc.linear_gelu_fp32w.default, (x16, w, b))
+        torch.library.opcheck(torch.ops.autohc.linear_gelu_fp32w_train.default,
+                              (x16.requires_grad_(), w.requires_grad_(), b.requires_grad_()))
+    with torch.autocast("cpu", dtype=torch.bfloat16):       # not installed: the two calls
+        assert torch.equal(FUSED.linear_gelu(x, fc1), torch.nn.functional.gelu(fc1(x), approximate="tanh"))

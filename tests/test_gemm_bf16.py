@@ -998,7 +998,8 @@ def test_gelu_epilogue_is_gelu_of_the_fp32_result_rounded_once(unit_isa, monkeyp
     kernel's fp32 result, rounded once: within a bf16 half-ulp plus the GELU form's 3e-7
     relative of float64 GELU of it, on one and several K panels, M under the skinny bound,
     ragged N, K = 0 (GELU of the bias), a bias and none, both loop orders, strided A, a C
-    that is a column slice of a wider tensor (nothing written outside it), 1 and 2 threads."""
+    that is a column slice of a wider tensor (nothing written outside it), 1 and 2 threads; with
+    the pre-activation written beside it, that is the plain kernel's bf16 C bit for bit."""
     isa = unit_isa
     from autohc.kernels.gemm import matmul
     from autohc.kernels.gemm.matmul import gemm_bf16_into
@@ -1027,6 +1028,13 @@ def test_gelu_epilogue_is_gelu_of_the_fp32_result_rounded_once(unit_isa, monkeyp
                 plain = torch.empty(m, n, dtype=torch.bfloat16)
                 assert gemm_bf16_into(a, b, plain, 0.5, threads, bias, 1.0)
                 assert not torch.equal(out, plain) or k == 0 and bias is None, what + ": no GELU"
+                # with the pre-activation (training's fc1): the same GELU, and the result itself
+                # rounded once, bit for bit the plain kernel's bf16 C
+                both = torch.full((2, m, n + 9), 7.0, dtype=torch.bfloat16)
+                g, h = both[0, :, 3:3 + n], both[1, :, 3:3 + n]
+                assert gemm_bf16_into(a, b, g, 0.5, threads, bias, 1.0, epilogue="gelu_tanh", pre=h)
+                assert torch.equal(g, out) and torch.equal(h, plain), what + ": pre"
+                assert (both[:, :, :3] == 7).all() and (both[:, :, 3 + n:] == 7).all(), what + ": pre wrote outside"
     with pytest.raises(ParamError, match="epilogue"):
         dataclasses.replace(bf16_params("avx512bf16", 1), skinny_m=16, epilogue="gelu_tanh").validate()
     with pytest.raises(ParamError, match="epilogue"):

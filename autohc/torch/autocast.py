@@ -34,6 +34,7 @@ from .direct import runs_direct
 from .threads import kernel_threads
 
 _KEY = torch._C.DispatchKey.AutocastCPU
+installed = [False]     # set by dispatch.install() / uninstall() (linear_gelu fuses only inside)
 
 
 def _captured_autocast_linear():
@@ -123,6 +124,51 @@ def _(x, w, b):
     return x.new_empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
 
 
+@torch.library.custom_op("autohc::linear_gelu_fp32w_train", mutates_args=())
+def _linear_gelu_train(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g, h): h = x · wᵀ + b and g = GELU(tanh)(h), both bf16 (M x N), from one kernel: the GEMM's
+    store rounds h and GELU of its fp32 value (training's fc1: GELU's backward reads h)."""
+    g = fresh_empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
+    h = fresh_empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
+
+    def kernel():
+        gemm_bf16_into(x, w.t(), g, 1.0, kernel_threads(), b, 1.0, epilogue="gelu_tanh", pre=h)
+        return served.by_autohc(g), h
+
+    def two_calls():
+        pre = linear_fp32w(x, w, b)
+        return torch.nn.functional.gelu(pre, approximate="tanh"), pre
+    return fallback.kernel_or(kernel, two_calls, "linear_gelu")
+
+
+@_linear_gelu_train.register_fake
+def _(x, w, b):
+    return (x.new_empty(x.shape[0], w.shape[0], dtype=torch.bfloat16),
+            x.new_empty(x.shape[0], w.shape[0], dtype=torch.bfloat16))
+
+
+def _lg_setup(ctx, inputs, output):
+    x, w, b = inputs
+    ctx.save_for_backward(x, w, output[1])
+    ctx.has_bias = b is not None
+    ctx.set_materialize_grads(False)
+
+
+def _lg_backward(ctx, dg, dh):
+    x, w, h = ctx.saved_tensors
+    want_x, want_w, want_b = ctx.needs_input_grad
+    want_b = want_b and ctx.has_bias
+    if dg is None and dh is None:
+        return None, None, None
+    d = torch.ops.autohc.gelu_tanh_backward(dg.to(torch.bfloat16), h) if dg is not None else None
+    d = dh if d is None else d if dh is None else d + dh
+    dx, dw, db = linear_fp32w_backward(d, x, w, want_x, want_w, want_b)
+    return dx if want_x else None, dw if want_w else None, db if want_b else None
+
+
+_linear_gelu_train.register_autograd(_lg_backward, setup_context=_lg_setup)
+
+
 def _unhooked(linear: torch.nn.Module) -> bool:
     """A plain nn.Linear whose forward nothing watches or changes (calling F.linear on its
     parameters is then the same as calling it)."""
@@ -133,16 +179,18 @@ def _unhooked(linear: torch.nn.Module) -> bool:
 
 def linear_gelu(x: torch.Tensor, linear: torch.nn.Module) -> torch.Tensor:
     """F.gelu(linear(x), approximate="tanh"): DiT's fc1 and GELU (a FusedOps field). Under
-    install() and autocast bf16 with no gradient to record (sampling), one kernel: fc1's GEMM
-    with its bias and GELU in its bf16 store, so the pre-activation is neither written nor read
-    back; elsewhere (training: the backward needs the pre-activation) exactly the two calls."""
-    from .dispatch import is_installed
+    install() and autocast bf16, one kernel: fc1's GEMM with its bias and GELU in its bf16
+    store, so the pre-activation is not read back; with no gradient to record (sampling) it is
+    not written either, in training it is written beside GELU's result for GELU's backward.
+    Elsewhere (fp32, not installed, a hooked or subclassed Linear) exactly the two calls."""
     w, b = linear.weight, linear.bias
-    if (torch.is_autocast_enabled("cpu") and is_installed() and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, b)))
-            and _unhooked(linear) and _served(x, w, b)):
+    if torch.is_autocast_enabled("cpu") and installed[0] and _unhooked(linear) and _served(x, w, b):
         N, K = w.shape
         x2 = x.to(torch.bfloat16).reshape(-1, K)
-        y = (_linear_gelu_impl if runs_direct(x2) else _linear_gelu)(x2, w, b)   # (w, b: Parameters)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, b)):
+            y = _linear_gelu_train(x2, w, b)[0]
+        else:
+            y = (_linear_gelu_impl if runs_direct(x2) else _linear_gelu)(x2, w, b)   # (w, b: Parameters)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], N)
     return torch.nn.functional.gelu(linear(x), approximate="tanh")
 

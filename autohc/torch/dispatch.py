@@ -473,6 +473,8 @@ def install(threads: int | None = None, torch_threads: int | str | None = "auto"
             for name, fn in AUTOCAST_IMPLS.items():
                 lib.impl(name, fn, "AutocastCPU")
         _state["lib"] = lib
+        from . import autocast
+        autocast.installed[0] = True
 
 
 def uninstall() -> None:
@@ -480,6 +482,8 @@ def uninstall() -> None:
     with _lock:
         lib, _state["lib"] = _state["lib"], None
         _state["threads"] = None
+        from . import autocast
+        autocast.installed[0] = False
         prepared.forget()
         set_kernel_threads(None)
         if lib is not None:

@@ -42,6 +42,7 @@ class GemmKernel:
         self.writes_bf16 = self._gemm_bf16c is not None
         # ... and read a B packed whole once on their packed path (A_OUTER), where it is given
         self._gemm_bf16c_pb = getattr(lib, f"{fn}_gemm_bf16c_pb", None)
+        self._gemm_bf16c_act = getattr(lib, f"{fn}_gemm_bf16c_act", None)     # (epilogue kernels)
         self._pack_b_whole = getattr(lib, f"{fn}_pack_b_whole", None)
         self._packed_b_elems = getattr(lib, f"{fn}_packed_b_elems", None)
         self.reads_packed_b = self._gemm_bf16c_pb is not None and params.a_outer
@@ -149,6 +150,21 @@ class GemmKernel:
                                    f.NULL if bias_ptr is None else f.cast("float *", bias_ptr),
                                    f.NULL if ws_ptr is None else f.cast("float *", ws_ptr),
                                    f.cast("uint16_t *", cb_ptr), ldc, in_f32))
+
+    def run_bf16c_act(self, M: int, N: int, K: int, alpha: float, a_ptr: int, rsa: int, csa: int,
+                      b_ptr: int, rsb: int, csb: int, bpk_ptr: int | None, beta: float, bias_ptr: int | None,
+                      ws_ptr: int | None, cb_ptr: int, ldc: int, hoff: int, in_f32: int = 0) -> None:
+        """run_bf16c(_packed) of a kernel with an epilogue (params.epilogue): Cb gets the epilogue
+        of the result and, where hoff is not 0, Cb + hoff elements (the same ldc) the result
+        itself, both rounded once to bf16."""
+        if not self.runnable:
+            raise KernelError(f"this CPU cannot run the {self.params.isa} back-end")
+        f = self._ffi
+        self._check(self._gemm_bf16c_act(M, N, K, alpha, f.cast("void *", a_ptr), rsa, csa, f.cast("void *", b_ptr),
+                                         rsb, csb, f.NULL if bpk_ptr is None else f.cast("uint16_t *", bpk_ptr), beta,
+                                         f.NULL if bias_ptr is None else f.cast("float *", bias_ptr),
+                                         f.NULL if ws_ptr is None else f.cast("float *", ws_ptr),
+                                         f.cast("uint16_t *", cb_ptr), ldc, hoff, in_f32))
 
     def needs_workspace(self, M: int, K: int, alpha: float) -> bool:
         """Whether run_bf16c writes fp32 partial sums to its workspace for this problem."""

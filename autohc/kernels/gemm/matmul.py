@@ -391,7 +391,7 @@ def bmm_into(a, b, out, alpha: float, beta: float, threads: int):
 
 
 def gemm_bf16_into(a, b, out, alpha: float, threads: int, bias=None, beta: float = 1.0,
-                   packed_b=None, epilogue: str = "none") -> bool:
+                   packed_b=None, epilogue: str = "none", pre=None) -> bool:
     """out := bf16(alpha * a @ b [+ beta * bias in every row]) for bfloat16 (or float32) CPU tensors
     a, b checked by the caller (the torch override), out bfloat16 (M, N); bias: a float32 or
     bfloat16 tensor of out's row shape. Written by the bf16 kernel itself (its last K panel
@@ -401,7 +401,9 @@ def gemm_bf16_into(a, b, out, alpha: float, threads: int, bias=None, beta: float
     (`reads_packed_b`): that kernel's packing of b (a bf16 tensor of packed_b_elems, e.g.
     autohc.frozen's, made once), or None to pack b as usual. epilogue "gelu_tanh": out :=
     bf16(GELU(alpha a @ b + beta bias)), by the problem's kernel with GELU in its store (built
-    without the skinny paths, which have no epilogue: a small M takes the packed path)."""
+    without the skinny paths, which have no epilogue: a small M takes the packed path); pre:
+    None, or a bfloat16 tensor laid out as out (its strides) that gets bf16(alpha a @ b + beta
+    bias) as well, the pre-activation GELU's backward reads."""
     A, B = operand_raw(a), operand_raw(b)
     params = _override_params(A, B, threads, "bf16")
     if epilogue != "none":
@@ -410,7 +412,12 @@ def gemm_bf16_into(a, b, out, alpha: float, threads: int, bias=None, beta: float
         params = dataclasses.replace(params, epilogue=epilogue, skinny_m=0, skinny_unit="auto").validate()
     if bias is not None:
         bias = bias.to(torch.float32).contiguous()
-    if not _run_bf16c("torch", a, b, A, B, operand_raw(out), alpha, threads, params, bias, beta, packed_b):
+    hoff = 0
+    if pre is not None:
+        if epilogue == "none" or pre.stride() != out.stride() or pre.shape != out.shape:
+            raise KernelError("pre: an epilogue's pre-activation, laid out as out")
+        hoff = (pre.data_ptr() - out.data_ptr()) // 2
+    if not _run_bf16c("torch", a, b, A, B, operand_raw(out), alpha, threads, params, bias, beta, packed_b, hoff):
         raise KernelError("this CPU's bf16 back-end has no bf16 store")
     return True
 
@@ -427,7 +434,8 @@ def _workspace(nfloats: int):
     return buf
 
 
-def _run_bf16c(kind, a, b, A, B, C, alpha, threads, params, bias=None, beta=1.0, packed_b=None) -> bool:
+def _run_bf16c(kind, a, b, A, B, C, alpha, threads, params, bias=None, beta=1.0, packed_b=None,
+               hoff: int = 0) -> bool:
     """C (bfloat16) := alpha * A @ B (+ bias) on the kernel's own bf16 store; False where it
     has none (fp32 back-ends, a C without unit column stride)."""
     M, K = A.shape
@@ -446,6 +454,11 @@ def _run_bf16c(kind, a, b, A, B, C, alpha, threads, params, bias=None, beta=1.0,
     ws = _workspace((M - 1) * ldc + N).data_ptr() if kernel.needs_workspace(M, K, alpha) else None
     bpk = packed_b(kernel) if packed_b is not None and kernel.reads_packed_b else None
     bias_ptr, in_f32 = None if bias is None else bias.data_ptr(), int(A.f32) | int(B.f32) << 1
+    if params.epilogue != "none":       # (hoff: the pre-activation's offset from C, 0: none)
+        kernel.run_bf16c_act(M, N, K, alpha, A.ptr, A.strides[0], A.strides[1], B.ptr, B.strides[0],
+                             B.strides[1], None if bpk is None else bpk.data_ptr(), beta, bias_ptr, ws,
+                             C.ptr, ldc, hoff, in_f32)
+        return True
     if bpk is not None:
         kernel.run_bf16c_packed(M, N, K, alpha, A.ptr, A.strides[0], A.strides[1], B.ptr, B.strides[0],
                                 B.strides[1], bpk.data_ptr(), beta, bias_ptr, ws, C.ptr, ldc, in_f32)
