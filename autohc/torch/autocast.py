@@ -34,7 +34,6 @@ from .direct import runs_direct
 from .threads import kernel_threads
 
 _KEY = torch._C.DispatchKey.AutocastCPU
-installed = [False]     # set by dispatch.install() / uninstall() (linear_gelu fuses only inside)
 
 
 def _captured_autocast_linear():
@@ -156,14 +155,11 @@ def _lg_setup(ctx, inputs, output):
 
 def _lg_backward(ctx, dg, dh):
     x, w, h = ctx.saved_tensors
-    want_x, want_w, want_b = ctx.needs_input_grad
-    want_b = want_b and ctx.has_bias
     if dg is None and dh is None:
         return None, None, None
     d = torch.ops.autohc.gelu_tanh_backward(dg.to(torch.bfloat16), h) if dg is not None else None
     d = dh if d is None else d if dh is None else d + dh
-    dx, dw, db = linear_fp32w_backward(d, x, w, want_x, want_w, want_b)
-    return dx if want_x else None, dw if want_w else None, db if want_b else None
+    return _linear_grads(ctx, d, x, w)
 
 
 _linear_gelu_train.register_autograd(_lg_backward, setup_context=_lg_setup)
@@ -184,7 +180,7 @@ def linear_gelu(x: torch.Tensor, linear: torch.nn.Module) -> torch.Tensor:
     not written either, in training it is written beside GELU's result for GELU's backward.
     Elsewhere (fp32, not installed, a hooked or subclassed Linear) exactly the two calls."""
     w, b = linear.weight, linear.bias
-    if torch.is_autocast_enabled("cpu") and installed[0] and _unhooked(linear) and _served(x, w, b):
+    if torch.is_autocast_enabled("cpu") and served.is_installed() and _unhooked(linear) and _served(x, w, b):
         N, K = w.shape
         x2 = x.to(torch.bfloat16).reshape(-1, K)
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, b)):
@@ -247,12 +243,17 @@ def _setup(ctx, inputs, output):
     ctx.has_bias = b is not None
 
 
-def _backward(ctx, dy):
-    x, w = ctx.saved_tensors
+def _linear_grads(ctx, dy, x, w):
+    """(dx, dw, db) of y = x wᵀ + b for the inputs autograd asks for (None for the others)."""
     want_x, want_w, want_b = ctx.needs_input_grad
     want_b = want_b and ctx.has_bias
     dx, dw, db = linear_fp32w_backward(dy, x, w, want_x, want_w, want_b)
     return dx if want_x else None, dw if want_w else None, db if want_b else None
+
+
+def _backward(ctx, dy):
+    x, w = ctx.saved_tensors
+    return _linear_grads(ctx, dy, x, w)
 
 
 linear_fp32w.register_autograd(_backward, setup_context=_setup)

@@ -44,14 +44,15 @@ from ..tune import first_use
 from . import fallback, prepared
 from .attention import ATEN_IMPLS as ATTENTION_IMPLS
 from .ops import ATEN_IMPLS
-from .served import ATEN_OUT, MIN_MACS, aten_out, bf16_served, by_aten, by_autohc, tensor_ok
+from .served import ATEN_OUT, MIN_MACS, aten_out, bf16_served, by_aten, by_autohc, is_installed, tensor_ok
+from .served import override as _override
 from .threads import kernel_threads, set_kernel_threads
 
 # bmm runs as one batched C call (one pool wake per matrix): routed for matrices of this size up.
 MIN_BMM_MACS = 128 * 128 * 128
 
 _lock = threading.Lock()
-_state = {"lib": None, "threads": None, "torch_threads_before": None, "told_one_thread": False}
+_state = {"threads": None, "torch_threads_before": None, "told_one_thread": False}
 
 
 def _serve(a: torch.Tensor, b: torch.Tensor, min_macs: int = MIN_MACS, dtype=torch.float32) -> bool:
@@ -440,7 +441,7 @@ def install(threads: int | None = None, torch_threads: int | str | None = "auto"
         torch_threads = None if omp.team_kind() == "omp" or omp.torch_waits_briefly() else 1
     _positive("torch_threads", torch_threads)
     with _lock:
-        if _state["lib"] is None:
+        if _override["lib"] is None:
             _state["torch_threads_before"] = torch.get_num_threads()
         _state["threads"] = threads or _state["threads"] or _default_threads(_state["torch_threads_before"])
         set_kernel_threads(_state["threads"])
@@ -449,13 +450,13 @@ def install(threads: int | None = None, torch_threads: int | str | None = "auto"
                 _state["told_one_thread"] = True
                 warnings.warn(one_thread_hint(torch.get_num_threads()), RuntimeWarning, stacklevel=3)
             torch.set_num_threads(torch_threads)
-        if _state["lib"] is None:
+        if _override["lib"] is None:
             _state["first_use_before"] = first_use.enabled()
         first_use.enable(first_use_tuning)
         if ATEN_OUT["mm.out"] is not None:      # races ATen's own kernel too (never this override)
             first_use.set_aten_runner(_aten_mm_into)
         prepared.forget()
-        if _state["lib"] is not None:
+        if _override["lib"] is not None:
             return
         lib = torch.library.Library("aten", "IMPL")
         with warnings.catch_warnings():
@@ -472,18 +473,14 @@ def install(threads: int | None = None, torch_threads: int | str | None = "auto"
             from .autocast import AUTOCAST_IMPLS
             for name, fn in AUTOCAST_IMPLS.items():
                 lib.impl(name, fn, "AutocastCPU")
-        _state["lib"] = lib
-        from . import autocast
-        autocast.installed[0] = True
+        _override["lib"] = lib
 
 
 def uninstall() -> None:
     """Give the GEMMs and operators back to ATen and torch its thread count."""
     with _lock:
-        lib, _state["lib"] = _state["lib"], None
+        lib, _override["lib"] = _override["lib"], None
         _state["threads"] = None
-        from . import autocast
-        autocast.installed[0] = False
         prepared.forget()
         set_kernel_threads(None)
         if lib is not None:
@@ -493,8 +490,6 @@ def uninstall() -> None:
             torch.set_num_threads(_state["torch_threads_before"])
 
 
-def is_installed() -> bool:
-    return _state["lib"] is not None
 
 
 @contextlib.contextmanager

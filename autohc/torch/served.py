@@ -1,6 +1,7 @@
 """What the torch override serves, and the way back to ATen for what it does not: the
 admissibility of a tensor, whether this CPU's bf16 GEMMs are autohc's, ATen's own `.out` GEMM
-kernels captured before the override, and the per-process counts of the calls each ran.
+kernels captured before the override, whether the override is installed, and the per-process
+counts of the calls each ran.
 Shared by dispatch.py (mm, addmm, bmm, baddbmm) and autocast.py (autocast's Linear)."""
 from __future__ import annotations
 
@@ -16,6 +17,14 @@ from . import fallback
 MIN_MACS = 32 * 32 * 32
 
 stats = {"autohc": 0, "aten": 0}       # calls served by each, for tests and curiosity
+
+# the override's torch.library.Library while install() is in force (dispatch.py sets it); one
+# place for the installed state, which autocast.py reads too
+override = {"lib": None}
+
+
+def is_installed() -> bool:
+    return override["lib"] is not None
 
 
 def tensor_ok(*ts: torch.Tensor, dtype=torch.float32) -> bool:
