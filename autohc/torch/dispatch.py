@@ -490,8 +490,6 @@ def uninstall() -> None:
             torch.set_num_threads(_state["torch_threads_before"])
 
 
-
-
 @contextlib.contextmanager
 def installed(threads: int | None = None, torch_threads: int | str | None = "auto",
               first_use_tuning: bool = True):
