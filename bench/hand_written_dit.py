@@ -6,10 +6,10 @@ same batches; their training steps (forward, backward, AdamW) are timed interlea
 project's timing protocol (autohc.bench.timing), the installed one inside `autohc.installed()`.
 Prints the step times, the speedup and the largest relative loss difference.
 
-    python bench/hand_written_dit.py [--depth 12 --dim 384 --heads 6 --batch 8] [--autocast] [--json]
+    python bench/hand_written_dit.py [--depth 12 --dim 384 --heads 6 --batch 8] [--autocast] [--compile] [--json]
 """
 import argparse
-import copy
+import importlib.util
 import json
 import math
 
@@ -88,8 +88,11 @@ class HandDiT(nn.Module):
 class Trainer:
     """One model copy, its AdamW and its own batch stream (same seed for both copies)."""
 
-    def __init__(self, model, batch, installed, autocast=False):
-        self.model, self.batch, self.installed, self.autocast = model, batch, installed, autocast
+    def __init__(self, model, batch, installed, autocast=False, compiled=False):
+        self.batch, self.installed, self.autocast = batch, installed, autocast
+        # compiled: torch.compile of the same module, traced on its first step (for the
+        # installed copy inside autohc.installed(), so the graph holds autohc's ops)
+        self.model = torch.compile(model) if compiled else model
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         self.gen = torch.Generator().manual_seed(1)
         self.losses = []
@@ -110,6 +113,17 @@ class Trainer:
         self.losses.append(loss.item())
 
 
+def _own_code():
+    """This file loaded again as a module of its own: the same classes with code objects of
+    their own. torch.compile keeps its graphs per code object, so a copy of the stock model
+    would run the graph traced for the stock side (traced without install()) instead of being
+    traced under install()."""
+    spec = importlib.util.spec_from_file_location("hand_written_dit_twin", __file__)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--depth", type=int, default=12, help="blocks (default 12, DiT-S)")
@@ -119,19 +133,23 @@ def main():
     ap.add_argument("--samples", type=int, default=6, help="timed steps per side (default 6)")
     ap.add_argument("--autocast", action="store_true",
                     help="both sides run the forward under torch.autocast('cpu', bfloat16)")
+    ap.add_argument("--compile", action="store_true",
+                    help="both sides run torch.compile of the model (default mode)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.dim % args.heads:
         ap.error(f"--dim {args.dim} is not a multiple of --heads {args.heads}")
     torch.manual_seed(0)
     model = HandDiT(args.depth, args.dim, args.heads)
-    sides = {"stock": Trainer(model, args.batch, False, args.autocast),
-             "autohc": Trainer(copy.deepcopy(model), args.batch, True, args.autocast)}
+    twin = _own_code().HandDiT(args.depth, args.dim, args.heads)
+    twin.load_state_dict(model.state_dict())
+    sides = {"stock": Trainer(model, args.batch, False, args.autocast, args.compile),
+             "autohc": Trainer(twin, args.batch, True, args.autocast, args.compile)}
     # one step per sample: both copies take the same number of steps, so see the same batches
     t = timing.interleaved({k: s.step for k, s in sides.items()}, samples=args.samples,
                            warmup=2, min_sample_s=0.0)
     a, b = sides["autohc"].losses, sides["stock"].losses
-    out = {"cpu": cpu.detect().model, "autocast_bf16": args.autocast, "depth": args.depth, "dim": args.dim, "batch": args.batch,
+    out = {"cpu": cpu.detect().model, "autocast_bf16": args.autocast, "compiled": args.compile, "depth": args.depth, "dim": args.dim, "batch": args.batch,
            "stock_s": t["stock"].median, "autohc_s": t["autohc"].median,
            "stock_spread_pct": t["stock"].spread_pct, "autohc_spread_pct": t["autohc"].spread_pct,
            "speedup": t["stock"].median / t["autohc"].median, "steps": len(a),
@@ -141,7 +159,7 @@ def main():
         print(json.dumps(out))
     else:
         print(f"hand-written DiT ({args.depth} blocks, dim {args.dim}), batch {args.batch}"
-              f"{', autocast bf16' if args.autocast else ''}, on {out['cpu']}:")
+              f"{', autocast bf16' if args.autocast else ''}{', torch.compile' if args.compile else ''}, on {out['cpu']}:")
         print(f"  stock  {out['stock_s']:.3f} s/step (spread {out['stock_spread_pct']} %)")
         print(f"  autohc {out['autohc_s']:.3f} s/step (spread {out['autohc_spread_pct']} %)")
         print(f"  {out['ops_served_by_autohc']} calls served by autohc's kernels")

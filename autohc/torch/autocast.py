@@ -179,8 +179,17 @@ def linear_gelu(x: torch.Tensor, linear: torch.nn.Module) -> torch.Tensor:
     store, so the pre-activation is not read back; with no gradient to record (sampling) it is
     not written either, in training it is written beside GELU's result for GELU's backward.
     Elsewhere (fp32, not installed, a hooked or subclassed Linear) exactly the two calls."""
-    w, b = linear.weight, linear.bias
-    if torch.is_autocast_enabled("cpu") and served.is_installed() and _unhooked(linear) and _served(x, w, b):
+    if _unhooked(linear):
+        return linear_gelu_fn(x, linear.weight, linear.bias)
+    return torch.nn.functional.gelu(linear(x), approximate="tanh")
+
+
+def linear_gelu_fn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.gelu(F.linear(x, w, b), approximate="tanh"), as linear_gelu on a plain Linear's
+    parameters: what install()'s pass over torch.compile graphs (compile_pass.py) puts in their
+    place, decided again when the graph is traced (under autocast bf16 and install(): the fused
+    kernel; elsewhere the two calls)."""
+    if torch.is_autocast_enabled("cpu") and served.is_installed() and _served(x, w, b):
         N, K = w.shape
         x2 = x.to(torch.bfloat16).reshape(-1, K)
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, b)):
@@ -188,7 +197,7 @@ def linear_gelu(x: torch.Tensor, linear: torch.nn.Module) -> torch.Tensor:
         else:
             y = (_linear_gelu_impl if runs_direct(x2) else _linear_gelu)(x2, w, b)   # (w, b: Parameters)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], N)
-    return torch.nn.functional.gelu(linear(x), approximate="tanh")
+    return torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b), approximate="tanh")
 
 
 def _dx(dy: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -473,6 +473,9 @@ def install(threads: int | None = None, torch_threads: int | str | None = "auto"
             from .autocast import AUTOCAST_IMPLS
             for name, fn in AUTOCAST_IMPLS.items():
                 lib.impl(name, fn, "AutocastCPU")
+        # torch.compile graphs: fc1 + GELU as one kernel, as in autohc's DiT (compile_pass.py)
+        from . import compile_pass
+        _state["pre_grad_pass_before"] = compile_pass.set_pass()
         _override["lib"] = lib
 
 
@@ -485,6 +488,8 @@ def uninstall() -> None:
         set_kernel_threads(None)
         if lib is not None:
             lib._destroy()
+            from . import compile_pass
+            compile_pass.restore_pass(_state.pop("pre_grad_pass_before", None))
             first_use.set_aten_runner(None)
             first_use.enable(_state.get("first_use_before", False))
             torch.set_num_threads(_state["torch_threads_before"])
