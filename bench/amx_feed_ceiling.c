@@ -21,6 +21,12 @@
  *                      fp32 sums are stored and the next micro-tile's loaded among the other's products
  *                      (a single set loaded and stored around each micro-tile ran at half the speed)
  * The second line runs 256 rows of A only, so that A stays in L2, for the sink form and this one.
+ * The third line has no GEMM's traffic at all: the 2 x 2 block's products alone (tiles never
+ * reloaded), then the same block over A and B tiles cycling through n K blocks (4 KB each), so
+ * that they come from L1 (n <= 8), L2 (16-128) or further: the rate each level can feed. The
+ * fourth: 36-block micro-tiles fed from L2 (one A micro-panel, 15 B micro-panels), with no C
+ * store, the 4 C tiles stored after each (to one 4 KB buffer that stays in L1), and that store
+ * with the sink every 8 and every 4 blocks.
  * The whole GEMMs cost more (packing B, rounding C to bf16); compare them with these.
  * Build and run (Linux, gcc >= 11, an AMX CPU):
  *   gcc -O2 -mamx-tile -mamx-bf16 -mavx512f bench/amx_feed_ceiling.c -o /tmp/amx_feed_ceiling -lm
@@ -165,6 +171,55 @@ static double run_b_in_l1(void)
     return 2.0 * 16 * 16 * 32 * done / t / 1e9;
 }
 
+/* the 2 x 2 block over A and B tiles cycling through nkb K blocks (never a C store) */
+__attribute__((noinline)) static double run_resident(int nkb)
+{
+    long done = 0; double t0 = now(), t;
+    do {
+        for (int r = 0; r < 256; ++r)
+            for (int k = 0; k < nkb; ++k) {
+                const uint16_t *ak = Apacked + (size_t)k * 1024, *bk = B + (size_t)k * 1024;
+                _tile_loadd(4, ak, 64); _tile_loadd(6, bk, 64); _tile_dpbf16ps(0, 4, 6);
+                _tile_loadd(7, bk + 512, 64); _tile_dpbf16ps(1, 4, 7);
+                _tile_loadd(5, ak + 512, 64); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+            }
+        done += 256L * nkb;
+        t = now() - t0;
+    } while (t < 0.3);
+    return 4.0 * 2 * 16 * 16 * 32 * done / t / 1e9;
+}
+
+/* the block's products alone: the tile unit's own rate */
+__attribute__((noinline)) static double run_products(void)
+{
+    long done = 0; double t0 = now(), t;
+    do {
+        for (int r = 0; r < 4096; ++r) {
+            _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+        }
+        done += 4096;
+        t = now() - t0;
+    } while (t < 0.3);
+    return 4.0 * 2 * 16 * 16 * 32 * done / t / 1e9;
+}
+
+/* micro-tiles of NKB blocks from L2: the A micro-panel against the 15 B micro-panels in turn;
+ * store: the C tiles stored after each micro-tile (to one buffer), sink: its period (0: none) */
+__attribute__((noinline)) static double run_store(int store, int sink_every)
+{
+    long done = 0; double t0 = now(), t;
+    do {
+        for (int j = 0; j < NJ; ++j) {
+            c_zero();
+            blocks(Apacked, 32, 1024, B + (size_t)j * NKB * 1024, NKB, sink_every);
+            if (store) c_store(sums);
+        }
+        done += (long)NJ * NKB;
+        t = now() - t0;
+    } while (t < 0.3);
+    return 4.0 * 2 * 16 * 16 * 32 * done / t / 1e9;
+}
+
 int main(void)
 {
     if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */)) {
@@ -187,6 +242,10 @@ int main(void)
                run(1, NKB, 0, 1, 1), run(1, NKB, 8, 1, 1), run_b_in_l1());
         rows = MC3;
         printf("  A in L2 (%d rows): A direct + sink 8 %5.0f  B in L1, 1 x 3 %5.0f\n", MC3, run(1, NKB, 8, 1, 0), run_b_in_l1());
+        printf("  products alone %5.0f  A and B over n K blocks:", run_products());
+        for (int n = 1; n <= 512; n *= 4) printf("  n %d (%d KB) %5.0f", n, 4 * n, run_resident(n));
+        printf("\n  36-block micro-tiles from L2: no C store %5.0f  C stored %5.0f  + sink 8 %5.0f  + sink 4 %5.0f\n",
+               run_store(0, 0), run_store(1, 0), run_store(1, 8), run_store(1, 4));
     }
     _tile_release();
     return 0;

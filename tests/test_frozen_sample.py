@@ -168,3 +168,74 @@ def test_fc1_gelu_is_one_kernel_when_sampling_and_two_calls_when_training():
                               (x16.requires_grad_(), w.requires_grad_(), b.requires_grad_()))
     with torch.autocast("cpu", dtype=torch.bfloat16):       # not installed: the two calls
         assert torch.equal(FUSED.linear_gelu(x, fc1), torch.nn.functional.gelu(fc1(x), approximate="tanh"))
+
+
+@pytest.mark.skipif(not served.bf16_served(), reason="this CPU has no bf16 GEMM back-end")
+def test_mlp_backward_takes_gelus_derivative_in_fc2s_input_gradient():
+    """FusedOps.mlp in bf16 training under install(): the forward is fc2(linear_gelu(x, fc1))
+    bit for bit; in the backward fc2's input gradient and GELU's backward are one kernel (no
+    separate GELU backward call), so fc1's gradients and dx are within the bf16 roundings of
+    the unfused calls' (which round dY·W before GELU' multiplies it) and fc2's are the same
+    bits. A leaf of every kind (x only, weights only, no bias) gets its gradient; sampling, a
+    hooked fc2 or no install() take the unfused calls. opcheck on the new ops."""
+    from autohc.ops import FUSED
+    from autohc.torch import autocast as ac
+    torch.manual_seed(2)
+    fc1, fc2 = torch.nn.Linear(96, 256), torch.nn.Linear(256, 80)
+    x = torch.randn(2, 37, 96)
+    seed = torch.linspace(-1, 1, 2 * 37 * 80).reshape(2, 37, 80)
+
+    def run(fused, want_x=True, fc2_bias=True):
+        xg = x.clone().requires_grad_(want_x)
+        for p in (*fc1.parameters(), *fc2.parameters()):
+            p.grad = None
+        bias = fc2.bias
+        if not fc2_bias:
+            fc2.bias = None
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = FUSED.mlp(xg, fc1, fc2) if fused else fc2(FUSED.linear_gelu(xg, fc1))
+            y.backward(seed.to(y.dtype))
+        finally:
+            fc2.bias = bias
+        return y, [xg.grad, fc1.weight.grad, fc1.bias.grad, fc2.weight.grad, fc2.bias.grad]
+
+    calls = []
+    real = torch.ops.autohc.gelu_tanh_backward
+    with autohc.installed(first_use_tuning=False):
+        for want_x, fc2_bias in ((True, True), (False, True), (True, False)):
+            y0, g0 = run(False, want_x, fc2_bias)
+            try:
+                ac.torch.ops.autohc.gelu_tanh_backward = lambda *a: calls.append(1) or real(*a)
+                y1, g1 = run(True, want_x, fc2_bias)
+            finally:
+                ac.torch.ops.autohc.gelu_tanh_backward = real
+            what = f"x grad {want_x}, fc2 bias {fc2_bias}"
+            assert torch.equal(y1, y0), what
+            assert not calls, what + ": GELU's backward ran on its own"
+            for i, (a, b) in enumerate(zip(g1, g0)):
+                if b is None:
+                    assert a is None, what
+                elif i >= 3:            # fc2's own gradients: the same kernels
+                    assert torch.equal(a, b), what
+                else:
+                    assert ((a.float() - b.float()).abs().max() <= 2 ** -6 * b.float().abs().max()).item(), (what, i)
+                    assert not torch.equal(a, b), (what, i, "the fused kernel did not run")
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):     # sampling: fc2 of linear_gelu
+            assert torch.equal(FUSED.mlp(x, fc1, fc2), fc2(FUSED.linear_gelu(x, fc1)))
+        y0, g0 = run(False)
+        handle = fc2.register_forward_hook(lambda *a: None)
+        y, g = run(True)
+        handle.remove()
+        assert torch.equal(y, y0) and torch.equal(g[0], g0[0])       # (the two calls: hooked fc2)
+        x16 = x.reshape(-1, 96).to(torch.bfloat16)
+        w1, b1, w2, b2 = (p.detach() for p in (*fc1.parameters(), *fc2.parameters()))
+        torch.library.opcheck(torch.ops.autohc.mlp_fp32w_train.default,
+                              (x16.requires_grad_(), w1.requires_grad_(), b1.requires_grad_(),
+                               w2.requires_grad_(), b2.requires_grad_()))
+        dy = torch.randn(74, 80).to(torch.bfloat16)
+        g16, h16 = (torch.randn(74, 256).to(torch.bfloat16) for _ in range(2))
+        torch.library.opcheck(torch.ops.autohc.gelu_linear_fp32w_backward.default,
+                              (dy, g16, h16, w2.detach(), True, True))
+    with torch.autocast("cpu", dtype=torch.bfloat16):       # not installed: the two calls
+        assert torch.equal(FUSED.mlp(x, fc1, fc2), fc2(torch.nn.functional.gelu(fc1(x), approximate="tanh")))

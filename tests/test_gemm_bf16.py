@@ -993,6 +993,23 @@ def test_b_packed_whole_gives_the_packed_per_call_bits(packing_unit):
     assert not get_kernel(bf16_params(isa, 1, a_outer=False, a_direct=False, **PACKED_ONLY)).reads_packed_b
 
 
+def _epilogue_cases(isa: str, rng: random.Random, layouts: tuple[str, str]):
+    """The epilogue tests' problems: (params, what, a, b, bias, f32) over 1 and 2 threads, both
+    loop orders, one and several K panels (kc 64), M under the skinny bound, ragged N, K = 0,
+    a bias and none, strided A; f32 the same kernel's fp32 result (alpha 0.5, the bias beta 1)."""
+    for threads in (1, 2):
+        for a_outer in (False, True):
+            p = bf16_params(isa, threads, kc=64, a_outer=a_outer, skinny_m=0)
+            for m, k, n in [(37, 64, 50), (61, 200, 97), (5, 130, 33), (16, 64, 48), (9, 0, 7)]:
+                layout = layouts[(m + threads) % 2]
+                a, b = operands(layout, m, k, n, rng, strided=(m + (layout == layouts[0])) % 2 == 1)
+                a = a.to(torch.bfloat16)
+                bias = torch.randn(n) if (m + k) % 2 else None
+                what = f"{isa} t{threads} a_outer={a_outer} {layout} {m}x{k}x{n} bias={bias is not None}"
+                c0 = torch.zeros(m, n) if bias is None else bias.expand(m, n).contiguous()
+                yield p, what, a, b, bias, autohc.matmul(a, b, out=c0, alpha=0.5, beta=1.0, params=p, compute="bf16")
+
+
 def test_gelu_epilogue_is_gelu_of_the_fp32_result_rounded_once(unit_isa, monkeypatch):
     """epilogue gelu_tanh (fc1 + bias + GELU in one kernel): the bf16 C is GELU of the same
     kernel's fp32 result, rounded once: within a bf16 half-ulp plus the GELU form's 3e-7
@@ -1005,38 +1022,87 @@ def test_gelu_epilogue_is_gelu_of_the_fp32_result_rounded_once(unit_isa, monkeyp
     from autohc.kernels.gemm.matmul import gemm_bf16_into
     rng = random.Random(7)
     gelu64 = lambda t: torch.nn.functional.gelu(t.double(), approximate="tanh")
-    for threads in (1, 2):
-        for a_outer in (False, True):
-            p = bf16_params(isa, threads, kc=64, a_outer=a_outer, skinny_m=0)
-            for m, k, n in [(37, 64, 50), (61, 200, 97), (5, 130, 33), (16, 64, 48), (9, 0, 7)]:
-                layout = ("NT", "NN")[(m + threads) % 2]
-                a, b = operands(layout, m, k, n, rng, strided=m % 2 == 1)
-                a = a.to(torch.bfloat16)
-                bias = torch.randn(n) if (m + k) % 2 else None
-                what = f"{isa} t{threads} a_outer={a_outer} {layout} {m}x{k}x{n} bias={bias is not None}"
-                c0 = torch.zeros(m, n) if bias is None else bias.expand(m, n).contiguous()
-                f32 = autohc.matmul(a, b, out=c0, alpha=0.5, beta=1.0, params=p, compute="bf16")
-                wide = torch.full((m, n + 9), 7.0, dtype=torch.bfloat16)
-                out = wide[:, 3:3 + n]
-                # (the problem's kernel, as the registry would choose it)
-                monkeypatch.setattr(matmul, "_override_params", lambda *_: p)
-                assert gemm_bf16_into(a, b, out, 0.5, threads, bias, 1.0, epilogue="gelu_tanh")
-                ref = gelu64(f32)
-                err = (out.double() - ref).abs()
-                assert (err <= 2.0 ** -8 * ref.abs() + 4e-7 * ref.abs() + 1e-7).all(), what
-                assert (wide[:, :3] == 7).all() and (wide[:, 3 + n:] == 7).all(), what + ": wrote outside C"
-                plain = torch.empty(m, n, dtype=torch.bfloat16)
-                assert gemm_bf16_into(a, b, plain, 0.5, threads, bias, 1.0)
-                assert not torch.equal(out, plain) or k == 0 and bias is None, what + ": no GELU"
-                # with the pre-activation (training's fc1): the same GELU, and the result itself
-                # rounded once, bit for bit the plain kernel's bf16 C
-                both = torch.full((2, m, n + 9), 7.0, dtype=torch.bfloat16)
-                g, h = both[0, :, 3:3 + n], both[1, :, 3:3 + n]
-                assert gemm_bf16_into(a, b, g, 0.5, threads, bias, 1.0, epilogue="gelu_tanh", pre=h)
-                assert torch.equal(g, out) and torch.equal(h, plain), what + ": pre"
-                assert (both[:, :, :3] == 7).all() and (both[:, :, 3 + n:] == 7).all(), what + ": pre wrote outside"
+    for p, what, a, b, bias, f32 in _epilogue_cases(isa, rng, ("NT", "NN")):
+        (m, k), n = a.shape, b.shape[1]
+        threads = p.threads
+        wide = torch.full((m, n + 9), 7.0, dtype=torch.bfloat16)
+        out = wide[:, 3:3 + n]
+        # (the problem's kernel, as the registry would choose it)
+        monkeypatch.setattr(matmul, "_override_params", lambda *_, **__: p)
+        assert gemm_bf16_into(a, b, out, 0.5, threads, bias, 1.0, epilogue="gelu_tanh")
+        ref = gelu64(f32)
+        err = (out.double() - ref).abs()
+        assert (err <= 2.0 ** -8 * ref.abs() + 4e-7 * ref.abs() + 1e-7).all(), what
+        assert (wide[:, :3] == 7).all() and (wide[:, 3 + n:] == 7).all(), what + ": wrote outside C"
+        plain = torch.empty(m, n, dtype=torch.bfloat16)
+        assert gemm_bf16_into(a, b, plain, 0.5, threads, bias, 1.0)
+        assert not torch.equal(out, plain) or k == 0 and bias is None, what + ": no GELU"
+        # with the pre-activation (training's fc1): the same GELU, and the result itself
+        # rounded once, bit for bit the plain kernel's bf16 C
+        both = torch.full((2, m, n + 9), 7.0, dtype=torch.bfloat16)
+        g, h = both[0, :, 3:3 + n], both[1, :, 3:3 + n]
+        assert gemm_bf16_into(a, b, g, 0.5, threads, bias, 1.0, epilogue="gelu_tanh", pre=h)
+        assert torch.equal(g, out) and torch.equal(h, plain), what + ": pre"
+        assert (both[:, :, :3] == 7).all() and (both[:, :, 3 + n:] == 7).all(), what + ": pre wrote outside"
     with pytest.raises(ParamError, match="epilogue"):
         dataclasses.replace(bf16_params("avx512bf16", 1), skinny_m=16, epilogue="gelu_tanh").validate()
     with pytest.raises(ParamError, match="epilogue"):
         GemmParams(isa="avx512", vl=16, mr=12, nr=32, epilogue="gelu_tanh").validate()
+
+
+def test_gelu_backward_epilogue_is_the_derivative_at_the_pre_activation_rounded_once(unit_isa, monkeypatch):
+    """epilogue gelu_tanh_bwd (fc2's input gradient and GELU's backward in one kernel): the bf16
+    C is GELU'(h) times the same kernel's fp32 result, h the bf16 pre-activation read from a
+    tensor laid out as C, rounded once: within a bf16 half-ulp plus the GELU form's error of
+    float64's, on one and several K panels, M under the skinny bound, ragged N, K = 0, a bias
+    and none, both loop orders, strided A, C and h column slices of wider tensors (nothing
+    written outside C, h unchanged), 1 and 2 threads; h read from C itself gives the same bits;
+    without h it is refused."""
+    isa = unit_isa
+    from autohc.kernels.gemm import matmul
+    from autohc.kernels.gemm.matmul import gemm_bf16_into
+    from autohc.kernels.gemm.kernel import KernelError
+    rng = random.Random(11)
+
+    def gelu_grad64(g, h):
+        return torch.ops.aten.gelu_backward(g.double(), h.double(), approximate="tanh")
+    for p, what, a, b, bias, f32 in _epilogue_cases(isa, rng, ("NN", "NT")):
+        (m, k), n = a.shape, b.shape[1]
+        threads = p.threads
+        both = torch.full((2, m, n + 9), 7.0, dtype=torch.bfloat16)
+        out, h = both[0, :, 3:3 + n], both[1, :, 3:3 + n]
+        h.copy_(torch.randn(m, n) * 3)
+        h0 = h.clone()
+        monkeypatch.setattr(matmul, "_override_params", lambda *_, **__: p)
+        assert gemm_bf16_into(a, b, out, 0.5, threads, bias, 1.0, epilogue="gelu_tanh_bwd", pre=h)
+        ref = gelu_grad64(f32, h0)
+        err = (out.double() - ref).abs()
+        assert (err <= 2.0 ** -8 * ref.abs() + 2e-6 * f32.double().abs() + 1e-7).all(), what
+        if k or bias is not None:
+            plain = torch.ops.aten.gelu_backward(f32.to(torch.bfloat16), h0, approximate="tanh")
+            # (the two calls round twice, g and then the result: within three half-ulps;
+            # where GELU' nears 0 its terms cancel in fp32 in both forms, hence the g term)
+            assert ((out.double() - plain.double()).abs()
+                    <= 2.0 ** -6 * plain.double().abs() + 2e-6 * f32.double().abs()).all(), \
+                what + ": not the composition"
+            assert not torch.equal(out, f32.to(torch.bfloat16)), what + ": no derivative"
+        assert torch.equal(h, h0), what + ": h written"
+        assert (both[:, :, :3] == 7).all() and (both[:, :, 3 + n:] == 7).all(), what + ": wrote outside C"
+        # h read from C itself (in place): the same bits
+        inplace = h0.clone()
+        assert gemm_bf16_into(a, b, inplace, 0.5, threads, bias, 1.0, epilogue="gelu_tanh_bwd", pre=inplace)
+        assert torch.equal(inplace, out), what + ": in place"
+    with pytest.raises(KernelError, match="pre"):
+        gemm_bf16_into(a, b, out, 0.5, 1, None, 1.0, epilogue="gelu_tanh_bwd")
+    # where first-use tuning timed ATen faster on the plain product, the epilogues still run
+    # (ATen would add their pass); the plain product goes to ATen
+    monkeypatch.undo()
+    p = bf16_params(isa, 1, kc=64, skinny_m=0)
+    monkeypatch.setattr(matmul, "_choice", lambda *_, **__: (p, True))
+    a, b = operands("NN", 40, 64, 48, rng)
+    a, out, h = a.to(torch.bfloat16), torch.empty(40, 48, dtype=torch.bfloat16), torch.randn(40, 48).to(torch.bfloat16)
+    with pytest.raises(matmul.AtenFaster):
+        gemm_bf16_into(a, b, out, 1.0, 1)
+    assert gemm_bf16_into(a, b, out, 1.0, 1, epilogue="gelu_tanh_bwd", pre=h)
+    assert gemm_bf16_into(a, b, out, 1.0, 1, epilogue="gelu_tanh")
 

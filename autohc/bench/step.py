@@ -142,7 +142,9 @@ class _Mode:
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
             # a Linear on its fp32 weight under autocast (autohc/torch/autocast.py)
             "autohc::linear_fp32w", "autohc::linear_fp32w_backward",
-            "autohc::linear_gelu_fp32w", "autohc::linear_gelu_fp32w_train"}    # (fc1, GELU in its store)
+            "autohc::linear_gelu_fp32w", "autohc::linear_gelu_fp32w_train",    # (fc1, GELU in its store)
+            # (fc1 + GELU and fc2; fc2's input gradient with GELU's backward in its store, and dW)
+            "autohc::mlp_fp32w_train", "autohc::gelu_linear_fp32w_backward"}
 COPY_OPS = {"aten::copy_", "aten::clone", "aten::cat", "aten::contiguous", "aten::_to_copy",
             "aten::to", "aten::stack", "aten::index_select"}
 FREE_OPS = {"aten::view", "aten::reshape", "aten::permute", "aten::transpose", "aten::t",

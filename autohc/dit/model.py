@@ -11,8 +11,10 @@ eps)` and `gated_residual(x, y, gate)` (autohc.ops.FUSED has both) makes each bl
 adaLN modulate and gated residual one fused kernel each, and, where it also has
 `qkv_attention(qkv, heads)` (FUSED has), the attention reads q, k, v from the qkv output and
 its backward writes d qkv in one pass, and where it has `linear_gelu(x, fc1)` (FUSED has), the
-MLP's fc1 and GELU are one call (one kernel when sampling in bf16); without them, plain torch,
-the same results to float32 rounding.
+MLP's fc1 and GELU are one call (one kernel when sampling in bf16), and where it has
+`mlp(x, fc1, fc2)` (FUSED has), the whole MLP is (in bf16 training its backward also takes
+GELU's derivative in fc2's input-gradient kernel); without them, plain torch, the same results
+to float32 rounding.
 """
 from __future__ import annotations
 
@@ -158,6 +160,9 @@ class Mlp(nn.Module):
         self.fused = None           # the fused operators, set by DiT.use_fused_ops
 
     def forward(self, x):
+        mlp = getattr(self.fused, "mlp", None)
+        if mlp is not None:
+            return mlp(x, self.fc1, self.fc2)
         fc1_gelu = getattr(self.fused, "linear_gelu", None)
         if fc1_gelu is not None:
             return self.fc2(fc1_gelu(x, self.fc1))

@@ -55,10 +55,15 @@ def _served(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
         return False
     if not (served.tensor_ok(x) or served.tensor_ok(x, dtype=torch.bfloat16)):
         return False
+    K = w.shape[1]
+    return x.shape[-1] == K and _weights_served(x.numel() // K if K else 0, w, b)
+
+
+def _weights_served(M: int, w: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """w (N x K) and b of a Linear on M rows, served (w checked as 2-D float32 by the caller)."""
     N, K = w.shape
-    if x.shape[-1] != K or (b is not None and not (served.tensor_ok(b) and tuple(b.shape) == (N,))):
+    if b is not None and not (served.tensor_ok(b) and tuple(b.shape) == (N,)):
         return False
-    M = x.numel() // K if K else 0
     return M * N > 0 and M * N * K >= served.MIN_MACS
 
 
@@ -84,6 +89,10 @@ def _aten_linear(x, w, b):
 def linear_fp32w(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """y (bf16, M x N) = x (bf16, M x K) · wᵀ + b, w (N x K) and b (N) float32, rounded to bf16
     by the kernel while packing."""
+    return _linear_impl(x, w, b)
+
+
+def _linear_impl(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     y = fresh_empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
     w16 = frozen.bf16_weight(w)         # inside autohc.frozen: rounded and packed once
     packed = frozen.packed_weight(w) if w16 is not None else None
@@ -127,6 +136,10 @@ def _(x, w, b):
 def _linear_gelu_train(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(g, h): h = x · wᵀ + b and g = GELU(tanh)(h), both bf16 (M x N), from one kernel: the GEMM's
     store rounds h and GELU of its fp32 value (training's fc1: GELU's backward reads h)."""
+    return _linear_gelu_train_impl(x, w, b)
+
+
+def _linear_gelu_train_impl(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
     g = fresh_empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
     h = fresh_empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
 
@@ -266,6 +279,104 @@ def _backward(ctx, dy):
 
 
 linear_fp32w.register_autograd(_backward, setup_context=_setup)
+
+def _dx_gelu(dy: torch.Tensor, w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """GELU'(h) (dY · W) in bf16, W float32 rounded while packed (NN): fc2's input gradient with
+    GELU's backward in its store (epilogue gelu_tanh_bwd), dY · W never written."""
+    d = fresh_empty(dy.shape[0], w.shape[1], dtype=torch.bfloat16)
+
+    def kernel():
+        gemm_bf16_into(dy, w, d, 1.0, kernel_threads(), epilogue="gelu_tanh_bwd", pre=h)
+        return served.by_autohc(d)
+    return fallback.kernel_or(kernel, lambda: torch.ops.autohc.gelu_tanh_backward(_dx(dy, w), h),
+                              "linear_backward")
+
+
+@torch.library.custom_op("autohc::gelu_linear_fp32w_backward", mutates_args=())
+def gelu_linear_fp32w_backward(dy: torch.Tensor, g: torch.Tensor, h: torch.Tensor, w: torch.Tensor,
+                               want_w: bool, want_b: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dH bf16, dW fp32, db fp32) of y = GELU(h) · wᵀ + b, g = GELU(h) (bf16): dH = GELU'(h) (dY · W)
+    from one kernel; an unwanted dW or db is an empty tensor."""
+    dy = dy.to(torch.bfloat16)
+    unwanted = lambda: dy.new_empty(0, dtype=torch.float32)
+    return (_dx_gelu(dy, w, h), _dw(dy, g) if want_w else unwanted(), _db(dy) if want_b else unwanted())
+
+
+@gelu_linear_fp32w_backward.register_fake
+def _(dy, g, h, w, want_w, want_b):
+    return (h.new_empty(h.shape, dtype=torch.bfloat16),
+            w.new_empty(w.shape if want_w else (0,), dtype=torch.float32),
+            w.new_empty((w.shape[0],) if want_b else (0,), dtype=torch.float32))
+
+
+@torch.library.custom_op("autohc::mlp_fp32w_train", mutates_args=())
+def _mlp_train(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor,
+               b2: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, g, h), all bf16: h = x · w1ᵀ + b1 and g = GELU(tanh)(h) from one kernel (fc1 with GELU
+    in its store), y = g · w2ᵀ + b2 (fc2). Its backward runs fc2's input gradient and GELU's
+    backward as one kernel (gelu_linear_fp32w_backward)."""
+    g, h = _linear_gelu_train_impl(x, w1, b1)
+    return _linear_impl(g, w2, b2), g, h
+
+
+@_mlp_train.register_fake
+def _(x, w1, b1, w2, b2):
+    hidden = x.new_empty(x.shape[0], w1.shape[0], dtype=torch.bfloat16)
+    return x.new_empty(x.shape[0], w2.shape[0], dtype=torch.bfloat16), hidden, torch.empty_like(hidden)
+
+
+def _mlp_setup(ctx, inputs, output):
+    x, w1, b1, w2, b2 = inputs
+    ctx.save_for_backward(x, w1, w2, output[1], output[2])
+    ctx.has_bias = b1 is not None, b2 is not None
+    ctx.set_materialize_grads(False)
+
+
+def _mlp_backward(ctx, dy, dg, dh):
+    x, w1, w2, g, h = ctx.saved_tensors
+    want_x, want_w1, want_b1, want_w2, want_b2 = ctx.needs_input_grad
+    want_b1, want_b2 = want_b1 and ctx.has_bias[0], want_b2 and ctx.has_bias[1]
+    d, dw2, db2 = None, None, None
+    if dy is not None:
+        d, dw2, db2 = gelu_linear_fp32w_backward(dy, g, h, w2, want_w2, want_b2)
+    if dg is not None:          # (g or h read outside the op too: their gradients join dH)
+        dgh = torch.ops.autohc.gelu_tanh_backward(dg.to(torch.bfloat16), h)
+        d = dgh if d is None else d + dgh
+    if dh is not None:
+        d = dh if d is None else d + dh
+    if d is None:
+        return None, None, None, None, None
+    dx, dw1, db1 = linear_fp32w_backward(d, x, w1, want_x, want_w1, want_b1)
+    return (dx if want_x else None, dw1 if want_w1 else None, db1 if want_b1 else None,
+            dw2 if want_w2 and dy is not None else None, db2 if want_b2 and dy is not None else None)
+
+
+_mlp_train.register_autograd(_mlp_backward, setup_context=_mlp_setup)
+
+
+def mlp(x: torch.Tensor, fc1: torch.nn.Module, fc2: torch.nn.Module) -> torch.Tensor:
+    """fc2(F.gelu(fc1(x), approximate="tanh")): DiT's MLP (a FusedOps field). Under install() and
+    autocast bf16, in training, fc1 with GELU in its store (linear_gelu) and, in the backward,
+    fc2's input gradient with GELU's backward in its store; elsewhere (sampling, fp32, not
+    installed, a hooked or subclassed Linear) fc2 of linear_gelu."""
+    if _unhooked(fc1) and _unhooked(fc2):
+        return mlp_fn(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias)
+    return fc2(linear_gelu(x, fc1))
+
+
+def mlp_fn(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor,
+           b2: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2), as mlp on plain Linears'
+    parameters (and what install()'s pass over torch.compile graphs puts in place of that)."""
+    if (torch.is_autocast_enabled("cpu") and served.is_installed() and torch.is_grad_enabled()
+            and any(t is not None and t.requires_grad for t in (x, w1, b1, w2, b2))
+            and _served(x, w1, b1) and w2.dim() == 2 and served.tensor_ok(w2) and w2.shape[1] == w1.shape[0]
+            and _weights_served(x.numel() // w1.shape[1], w2, b2)):
+        N, K = w2.shape[0], w1.shape[1]
+        y = _mlp_train(x.to(torch.bfloat16).reshape(-1, K), w1, b1, w2, b2)[0]
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], N)
+    return torch.nn.functional.linear(linear_gelu_fn(x, w1, b1), w2, b2)
+
 
 # what install() registers at the AutocastCPU key (nothing where autocast's own kernel, the
 # way back for what it does not serve, cannot be had)

@@ -2,8 +2,7 @@
 unmodified model.
 
 Under torch.compile, Inductor writes its own loops for what surrounds the GEMMs. Its bf16
-GELU(tanh) is one of them, and on an AMX Xeon it took 3.4-3.5 ms a call at DiT-S/2's fc1
-(2048 x 1536) forward and backward, against the fc1 GEMM's store and autohc's 1 ms backward
+GELU(tanh) is one of them, slower than fc1's GEMM store and autohc's GELU backward
 (docs/history.md, stop 83). So install() sets Inductor's pre-grad pass
 (`torch._inductor.config.pre_grad_custom_pass`), which runs on Dynamo's graph before AOT
 autograd traces it: every `F.gelu(F.linear(x, w, b), approximate="tanh")` whose Linear output

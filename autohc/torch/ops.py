@@ -486,6 +486,7 @@ class FusedOps(NamedTuple):
     gated_residual: Callable
     qkv_attention: Callable | None = None
     linear_gelu: Callable | None = None     # (x, fc1) -> GELU(tanh)(fc1(x))
+    mlp: Callable | None = None             # (x, fc1, fc2) -> fc2(GELU(tanh)(fc1(x)))
 
 
 def _qkv_attention(qkv: torch.Tensor, heads: int) -> torch.Tensor:
@@ -498,7 +499,12 @@ def _linear_gelu(x: torch.Tensor, linear: torch.nn.Module) -> torch.Tensor:
     return linear_gelu(x, linear)
 
 
-FUSED = FusedOps(layernorm_modulate, gated_residual, _qkv_attention, _linear_gelu)
+def _mlp(x: torch.Tensor, fc1: torch.nn.Module, fc2: torch.nn.Module) -> torch.Tensor:
+    from .autocast import mlp
+    return mlp(x, fc1, fc2)
+
+
+FUSED = FusedOps(layernorm_modulate, gated_residual, _qkv_attention, _linear_gelu, _mlp)
 
 
 # ------------------------------------------------- aten CPU kernels for autohc.install()

@@ -155,8 +155,9 @@ class GemmKernel:
                       b_ptr: int, rsb: int, csb: int, bpk_ptr: int | None, beta: float, bias_ptr: int | None,
                       ws_ptr: int | None, cb_ptr: int, ldc: int, hoff: int, in_f32: int = 0) -> None:
         """run_bf16c(_packed) of a kernel with an epilogue (params.epilogue): Cb gets the epilogue
-        of the result and, where hoff is not 0, Cb + hoff elements (the same ldc) the result
-        itself, both rounded once to bf16."""
+        of the result, rounded once to bf16. gelu_tanh: where hoff is not 0, Cb + hoff elements
+        (the same ldc) get the result itself too; gelu_tanh_bwd: GELU's pre-activation is read
+        from Cb + hoff (0: Cb's own values)."""
         if not self.runnable:
             raise KernelError(f"this CPU cannot run the {self.params.isa} back-end")
         f = self._ffi

@@ -84,12 +84,12 @@ class AtenFaster(Exception):
 
 
 def _override_params(A: "_Operand", B: "_Operand", threads: int, dtype: str,
-                     c_fp32: bool = False) -> GemmParams:
-    """tuned_params for the torch override, or AtenFaster (one choice per call: it runs on
-    every GEMM)."""
+                     c_fp32: bool = False, aten_wins: bool = True) -> GemmParams:
+    """tuned_params for the torch override, or AtenFaster where aten_wins (one choice per call:
+    it runs on every GEMM)."""
     params, aten = _choice(A.shape[0], A.shape[1], B.shape[1], A.strides, B.strides, threads, dtype,
                            c_fp32)
-    if aten:
+    if aten and aten_wins:
         raise AtenFaster(f"{A.shape[0]}x{A.shape[1]}x{B.shape[1]} {dtype}")
     return cftp.geometry(params)
 
@@ -403,9 +403,13 @@ def gemm_bf16_into(a, b, out, alpha: float, threads: int, bias=None, beta: float
     bf16(GELU(alpha a @ b + beta bias)), by the problem's kernel with GELU in its store (built
     without the skinny paths, which have no epilogue: a small M takes the packed path); pre:
     None, or a bfloat16 tensor laid out as out (its strides) that gets bf16(alpha a @ b + beta
-    bias) as well, the pre-activation GELU's backward reads."""
+    bias) as well, the pre-activation GELU's backward reads. epilogue "gelu_tanh_bwd": out :=
+    bf16(GELU'(pre) * (alpha a @ b + beta bias)), pre (required, laid out as out; out itself
+    allowed) GELU's bf16 pre-activation: fc2's input gradient and GELU's backward in one
+    kernel."""
     A, B = operand_raw(a), operand_raw(b)
-    params = _override_params(A, B, threads, "bf16")
+    # (an ATen win raced on the plain product does not hold with an epilogue: ATen would add its pass)
+    params = _override_params(A, B, threads, "bf16", aten_wins=epilogue == "none")
     if epilogue != "none":
         if params.isa not in BF16_ISAS:
             raise KernelError(f"epilogue {epilogue}: no bf16 store on the {params.isa} back-end")
@@ -413,9 +417,12 @@ def gemm_bf16_into(a, b, out, alpha: float, threads: int, bias=None, beta: float
     if bias is not None:
         bias = bias.to(torch.float32).contiguous()
     hoff = 0
+    if epilogue == "gelu_tanh_bwd" and pre is None:
+        raise KernelError("epilogue gelu_tanh_bwd reads the pre-activation: pre is required")
     if pre is not None:
-        if epilogue == "none" or pre.stride() != out.stride() or pre.shape != out.shape:
-            raise KernelError("pre: an epilogue's pre-activation, laid out as out")
+        if epilogue == "none" or pre.stride() != out.stride() or pre.shape != out.shape \
+                or pre.dtype != torch.bfloat16:
+            raise KernelError("pre: an epilogue's bf16 pre-activation, laid out as out")
         hoff = (pre.data_ptr() - out.data_ptr()) // 2
     if not _run_bf16c("torch", a, b, A, B, operand_raw(out), alpha, threads, params, bias, beta, packed_b, hoff):
         raise KernelError("this CPU's bf16 back-end has no bf16 store")

@@ -29,7 +29,7 @@ CHOICES: dict[str, tuple] = {
     "prefetch_c": (False, True), "a_outer": (False, True), "own_rows": (False, True),
     "c_tiles": (False, True), "skinny_unit": ("auto", "dot", "fma", "tile"), "a_direct": (False, True),
     "defer_epilogue": (False, True), "prefetch_next_a": (False, True), "own_rows_by_k": (False, True),
-    "epilogue": ("none", "gelu_tanh"),
+    "epilogue": ("none", "gelu_tanh", "gelu_tanh_bwd"),
 }
 # fields that to_dict leaves out at these values (each added later: fp32 sets before bf16, ...)
 OMITTED_AT = {"dtype": "fp32", "c_tiles": False, "skinny_unit": "auto", "kc_inner": 0, "sink_every": 0,
@@ -132,7 +132,9 @@ class GemmParams:
     a_direct_n: int = 0
     # bf16 back-ends (amx, avx512bf16), without skinny paths: "gelu_tanh" applies GELU (tanh
     # form) to each fp32 result of a bf16 C before its one rounding, in the store (fc1 + bias +
-    # GELU as one kernel; templates/common/gelu_bf16.c.j2). An fp32 C is written as it is.
+    # GELU as one kernel; templates/common/gelu_bf16.c.j2); "gelu_tanh_bwd" multiplies each by
+    # GELU's derivative at the pre-activation read from a bf16 tensor laid out as C (fc2's input
+    # gradient and GELU's backward as one kernel). An fp32 C is written as it is.
     epilogue: str = "none"
 
     @property
