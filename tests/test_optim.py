@@ -189,3 +189,83 @@ def test_adamw_and_ema_over_100_steps_are_as_close_to_float64_as_torchs():
             torch_err = (torchs.double() - true).abs().max().item()
             assert mine_err <= 1.5 * torch_err + ulp, (got.shape, mine_err, torch_err)
             assert (got - torchs).abs().max().item() <= 1e-5 * torchs.abs().max().item()
+
+
+def test_bf16_working_copies_are_written_in_the_pass_and_never_served_stale():
+    """keep_bf16_copies: each 2-D contiguous float32 weight's bf16 copy is the updated weight
+    rounded as torch rounds, after every step, with its EMA or without, for a weight updated
+    by torch's fallback too; the updates themselves are unchanged. bf16_weight serves the copy
+    the step wrote while the weight is as the step left it, and after an in-place edit through
+    torch takes it again from the edited weight first (never the stale values)."""
+    from autohc.torch import frozen
+    torch.manual_seed(3)
+    w = torch.nn.Parameter(torch.randn(300, 70))
+    b = torch.nn.Parameter(torch.randn(70))              # 1-D: no copy
+    slow = torch.nn.Parameter(torch.randn(20, 30))       # its gradient strided: torch's update
+    ref = [torch.nn.Parameter(t.detach().clone()) for t in (w, b, slow)]
+    opt, opt_ref = O.AdamW([w, b, slow], lr=1e-2), O.AdamW(ref, lr=1e-2)
+    assert opt.keep_bf16_copies() == 2
+    ema = torch.zeros_like(w)
+    opt.attach_ema([(w, ema)])
+    for step in range(4):
+        grads = [torch.randn_like(t) for t in (w, b)] + [torch.randn(30, 20).t()]
+        for p, q, g in zip((w, b, slow), ref, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step(ema_decay=0.9 if step % 2 else None)
+        opt_ref.step()
+        for p, q in zip((w, b, slow), ref):
+            assert torch.equal(p, q)
+        for p in (w, slow):
+            copy16 = frozen.bf16_weight(p)
+            assert copy16 is not None and torch.equal(copy16, p.detach().to(torch.bfloat16)), step
+        assert frozen.bf16_weight(b) is None
+        if step == 1:
+            n = frozen.stats["refreshes"]
+            served = frozen.bf16_weight(w)
+            assert frozen.stats["refreshes"] == n    # fresh: served as the pass wrote it
+            with torch.no_grad():
+                w.mul_(-1)                           # an edit the copy does not know of
+            assert torch.equal(served, -w.detach().to(torch.bfloat16))     # (the same tensor)
+            assert torch.equal(frozen.bf16_weight(w), w.detach().to(torch.bfloat16))
+            assert frozen.stats["refreshes"] == n + 1
+            with torch.no_grad():
+                ref[0].copy_(w)
+    del opt                                          # the copies go with their optimizer
+    assert frozen.bf16_weight(w) is None
+
+
+@pytest.mark.skipif(not __import__("autohc.torch.served", fromlist=["x"]).bf16_served(),
+                    reason="this CPU has no bf16 GEMM back-end")
+def test_autocast_linears_read_the_working_copy_and_give_the_masters_bits():
+    """Under install() and autocast bf16, a Linear whose weight has a working copy runs its
+    forward and dX on the copy (counted), with the same bits as on the fp32 master (rows past
+    the skinny paths, whose fp32-weight form sums another way); after an edit the copy is taken
+    again before it is read: a stale copy would give the old weight's output."""
+    import autohc
+    from autohc.torch import frozen
+    torch.manual_seed(4)
+    lin = torch.nn.Linear(96, 160)
+    twin = copy.deepcopy(lin)
+    opt = O.AdamW(lin.parameters(), lr=1e-2)
+    opt.keep_bf16_copies()
+    x = torch.randn(3, 40, 96)
+
+    def fwd_bwd(m):
+        xg = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m(xg)
+        y.float().square().sum().backward()
+        return y, xg.grad
+    with autohc.installed(first_use_tuning=False):
+        n = frozen.stats["working"]
+        y, dx = fwd_bwd(lin)
+        assert frozen.stats["working"] - n == 2           # forward and dX
+        y2, dx2 = fwd_bwd(twin)
+        assert torch.equal(y, y2) and torch.equal(dx, dx2)
+        with torch.no_grad():
+            lin.weight.mul_(0.5)
+            twin.weight.mul_(0.5)
+        n, r = frozen.stats["working"], frozen.stats["refreshes"]
+        y, _ = fwd_bwd(lin)
+        assert frozen.stats["working"] - n == 2 and frozen.stats["refreshes"] - r == 1
+        assert torch.equal(y, fwd_bwd(twin)[0])

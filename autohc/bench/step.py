@@ -87,7 +87,7 @@ class _Mode:
         if self.on_autohc:          # the weights in huge pages, as `autohc train` places them
             memory.parameters_to_huge_pages(self.model)
         self.opt = make_optimizer([p for p in self.model.parameters() if p.requires_grad], lr=1e-4,
-                                  weight_decay=0.0, use_autohc=self.on_autohc)
+                                  weight_decay=0.0, use_autohc=self.on_autohc, bf16=self.precision == "bf16")
         self.ema = copy.deepcopy(self.model).requires_grad_(False)
         self.fused_ema = hasattr(self.opt, "attach_ema")
         if self.fused_ema:

@@ -121,11 +121,17 @@ def ema_update(ema: torch.nn.Module, model: torch.nn.Module, decay: float, step:
             e.mul_(d).add_(p.detach(), alpha=1 - d)
 
 
-def make_optimizer(params, *, lr: float, weight_decay: float, use_autohc: bool):
-    """autohc's fused AdamW, or torch's default one (foreach) as a stock script has it."""
+def make_optimizer(params, *, lr: float, weight_decay: float, use_autohc: bool, bf16: bool = False):
+    """autohc's fused AdamW, or torch's default one (foreach) as a stock script has it. bf16 (a
+    bf16 run on a CPU whose bf16 GEMMs autohc serves): autohc's keeps bf16 working copies of the
+    weights, written in its pass, that autocast's Linears read (torch/optim.py)."""
     if use_autohc:
+        from ..torch import served
         from ..torch.optim import AdamW
-        return AdamW(params, lr=lr, weight_decay=weight_decay)
+        opt = AdamW(params, lr=lr, weight_decay=weight_decay)
+        if bf16 and served.bf16_served():
+            opt.keep_bf16_copies()
+        return opt
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
 
 
@@ -174,7 +180,8 @@ class Trainer:
         if ema_weights is not None:
             self.ema.load_state_dict(ema_weights)
         self.opt = make_optimizer([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
-                                  weight_decay=cfg.weight_decay, use_autohc=cfg.autohc)
+                                  weight_decay=cfg.weight_decay, use_autohc=cfg.autohc,
+                                  bf16=self.precision == "bf16")
         # autohc's AdamW updates the EMA in its own pass over the weights (torch/optim.py)
         self.fused_ema = hasattr(self.opt, "attach_ema")
         if self.fused_ema:

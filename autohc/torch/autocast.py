@@ -139,12 +139,19 @@ def _linear_gelu_train(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None)
     return _linear_gelu_train_impl(x, w, b)
 
 
+def _kernel_weight(w: torch.Tensor) -> torch.Tensor:
+    """w, or its bf16 copy where one holds w's values (frozen.bf16_weight): the same bits from
+    the kernels, which round an fp32 w as the copy was rounded."""
+    w16 = frozen.bf16_weight(w)
+    return w if w16 is None else w16
+
+
 def _linear_gelu_train_impl(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
     g = fresh_empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
     h = fresh_empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
 
     def kernel():
-        gemm_bf16_into(x, w.t(), g, 1.0, kernel_threads(), b, 1.0, epilogue="gelu_tanh", pre=h)
+        gemm_bf16_into(x, _kernel_weight(w).t(), g, 1.0, kernel_threads(), b, 1.0, epilogue="gelu_tanh", pre=h)
         return served.by_autohc(g), h
 
     def two_calls():
@@ -218,7 +225,7 @@ def _dx(dy: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     dx = fresh_empty(dy.shape[0], w.shape[1], dtype=torch.bfloat16)
 
     def kernel():
-        gemm_bf16_into(dy, w, dx, 1.0, kernel_threads())
+        gemm_bf16_into(dy, _kernel_weight(w), dx, 1.0, kernel_threads())
         return served.by_autohc(dx)
     aten = lambda: served.by_aten(served.aten_out("mm.out")(dy, w.to(torch.bfloat16), out=dx))
     return fallback.kernel_or(kernel, aten, "linear_backward")
@@ -286,7 +293,7 @@ def _dx_gelu(dy: torch.Tensor, w: torch.Tensor, h: torch.Tensor) -> torch.Tensor
     d = fresh_empty(dy.shape[0], w.shape[1], dtype=torch.bfloat16)
 
     def kernel():
-        gemm_bf16_into(dy, w, d, 1.0, kernel_threads(), epilogue="gelu_tanh_bwd", pre=h)
+        gemm_bf16_into(dy, _kernel_weight(w), d, 1.0, kernel_threads(), epilogue="gelu_tanh_bwd", pre=h)
         return served.by_autohc(d)
     return fallback.kernel_or(kernel, lambda: torch.ops.autohc.gelu_tanh_backward(_dx(dy, w), h),
                               "linear_backward")

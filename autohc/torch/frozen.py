@@ -13,10 +13,21 @@ records autograd for the weight (torch.is_grad_enabled() and w.requires_grad: tr
 the fp32 master as without the block. The copies (each half the fp32 weights' bytes: the bf16
 copy, and the packing where a kernel reads one) are freed when the outermost block ends.
 Only the bf16 Linear path uses them; fp32 runs are unchanged.
+
+Training has working copies instead (`working_copy`): autohc.optim.AdamW's `keep_bf16_copies`
+makes a bf16 copy of each weight and rewrites it in the pass that updates the weight, so the
+bf16 GEMMs of the forward and of dX read it instead of rounding the fp32 master on every call
+(the same bits: the kernels round as torch's cast does). The optimizer's kernel writes the
+weight without touching torch's version counter, so a copy holds while the weight's version is
+the one stamped after the optimizer's pass; any in-place edit through torch (copy_,
+load_state_dict, `with torch.no_grad(): w.mul_(...)`) bumps it, and the next call that reads
+the copy takes it again from the weight first. An edit through `w.data`, which has a counter of
+its own, is not seen (here as for frozen weights).
 """
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
@@ -34,7 +45,51 @@ class _Frozen:
 
 _weights: dict[int, _Frozen] = {}       # data_ptr of a frozen weight -> its entry
 _depth = 0
-stats = {"copies": 0, "served": 0, "packs": 0}  # for tests: copies and packings taken, calls served
+# for tests: copies and packings taken, calls served (frozen), calls served a working copy and
+# working copies taken again after an edit
+stats = {"copies": 0, "served": 0, "packs": 0, "working": 0, "refreshes": 0}
+
+
+class WorkingCopy:
+    """A training weight's bf16 working copy and the weight's version it holds (its owner, an
+    optimizer, keeps it alive and writes it; `refresh` takes it again from the weight)."""
+    __slots__ = ("weight", "bf16", "version", "__weakref__")
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+        self.bf16 = weight.detach().to(torch.bfloat16).contiguous()
+        self.version = weight._version
+
+    def refresh(self) -> None:
+        self.bf16.copy_(self.weight.detach())
+        self.version = self.weight._version
+
+
+_working: "weakref.WeakValueDictionary[int, WorkingCopy]" = weakref.WeakValueDictionary()
+
+
+def working_copy(weight: torch.Tensor) -> WorkingCopy:
+    """A working copy of a contiguous float32 CPU weight, served by bf16_weight while fresh
+    (see the module's doc); the caller holds it (it is dropped with its last reference)."""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or not weight.is_contiguous():
+        raise ValueError("a working copy is of a contiguous float32 CPU tensor")
+    entry = WorkingCopy(weight)
+    _working[weight.data_ptr()] = entry
+    return entry
+
+
+def _working_bf16(w: torch.Tensor) -> torch.Tensor | None:
+    """w's working copy, taken again first where w was edited since it was written (so that
+    every call reads the bf16 weight the same way: on the skinny paths a bf16 weight sums
+    otherwise than an fp32 one, and a resumed run must give the uninterrupted one's bits)."""
+    entry = _working.get(w.data_ptr()) if _working else None
+    if entry is None or entry.weight.shape != w.shape or entry.weight.stride() != w.stride():
+        return None
+    if entry.version != w._version:
+        entry.refresh()
+        stats["refreshes"] += 1
+    stats["working"] += 1
+    return entry.bf16
 
 
 _packing = [False]      # whether the outermost block packs the weights (frozen(packed=...))
@@ -94,11 +149,11 @@ def _bf16_of(entry: _Frozen) -> torch.Tensor:
 
 
 def bf16_weight(w: torch.Tensor) -> torch.Tensor | None:
-    """The bf16 copy of a frozen float32 weight w (taken now if w is new or was edited), or
-    None: not frozen, or a forward that trains it."""
+    """The bf16 copy of a frozen float32 weight w (taken now if w is new or was edited), or its
+    fresh working copy (training), or None."""
     entry = _current(w)
     if entry is None:
-        return None
+        return _working_bf16(w)
     stats["served"] += 1
     return _bf16_of(entry)
 

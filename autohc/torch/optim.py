@@ -13,12 +13,17 @@ same pass: `attach_ema` names each parameter's EMA tensor and `step(ema_decay=d)
 them from the new weights as it writes them, so the EMA reads no weight again and costs no
 per-parameter torch calls. An EMA the kernel cannot take, or of a parameter without a
 gradient this step, is updated by torch's ops, with the same formula.
+
+bf16 working copies ride in it too: `keep_bf16_copies` gives each 2-D float32 weight a bf16
+copy (torch/frozen.py `working_copy`) that the pass writes as it updates the weight (2 bytes a
+parameter), and that the bf16 GEMMs of autocast's Linears read instead of rounding the fp32
+weight on every call.
 """
 from __future__ import annotations
 
 import torch
 
-from . import ops
+from . import frozen, ops
 from .threads import kernel_threads
 
 
@@ -38,6 +43,17 @@ class AdamW(torch.optim.Optimizer):
                              "use torch.optim.AdamW for them")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self._ema: dict[torch.Tensor, torch.Tensor] = {}
+        self._bf16: dict[torch.Tensor, "frozen.WorkingCopy"] = {}
+
+    def keep_bf16_copies(self) -> int:
+        """Keep a bf16 working copy of every 2-D contiguous float32 CPU parameter, rewritten in
+        each step's pass (torch/frozen.py); how many parameters have one."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if (p not in self._bf16 and p.dim() == 2 and p.dtype == torch.float32
+                        and p.device.type == "cpu" and p.is_contiguous()):
+                    self._bf16[p] = frozen.working_copy(p)
+        return len(self._bf16)
 
     def attach_ema(self, pairs) -> None:
         """(parameter, its EMA tensor) pairs that step(ema_decay=d) updates in its pass."""
@@ -79,11 +95,15 @@ class AdamW(torch.optim.Optimizer):
                     if e is not None and e.is_contiguous() and e.device.type == "cpu":
                         tensors = (*tensors, e)
                         ema_done.add(p)
-                    by_step.setdefault((float(st["step"]), len(tensors) == 5), []).append(tensors)
+                    by_step.setdefault((float(st["step"]), len(tensors) == 5), []).append(
+                        (tensors, self._bf16.get(p)))
                 else:
                     slow.append(p)
             for (t, _), bucket in by_step.items():      # one kernel call per thread for the lot
                 _fused_step(bucket, lr, b1, b2, eps, wd, 1 - b1 ** t, 1 - b2 ** t, ema_decay)
+                for _, copy in bucket:          # (the kernel wrote them; the version is the weight's)
+                    if copy is not None:
+                        copy.version = copy.weight._version
             if slow:                    # torch's own single-tensor AdamW for the rest
                 from torch.optim.adamw import adamw as torch_adamw
                 torch_adamw([p for p in slow], [p.grad for p in slow],
@@ -92,20 +112,28 @@ class AdamW(torch.optim.Optimizer):
                             [self.state[p]["step"] - 1 for p in slow], foreach=False,
                             amsgrad=False, beta1=b1, beta2=b2, lr=lr, weight_decay=wd, eps=eps,
                             maximize=False)
+                for p in slow:
+                    if p in self._bf16:
+                        self._bf16[p].refresh()
         for p, e in ema.items():        # what the pass did not take: torch's ops, same formula
             if p not in ema_done:
                 e.mul_(ema_decay).add_(p.detach(), alpha=1 - ema_decay)
         return loss
 
 
-def _fused_step(tensors, lr, b1, b2, eps, wd, bc1, bc2, ema_decay=None):
-    """One AdamW step over [(param, grad, exp_avg, exp_avg_sq[, ema]), ...] (all with an EMA
-    or none): their concatenation is split evenly over the team (whole cache lines each), one
-    kernel call for the lot."""
+def _fused_step(bucket, lr, b1, b2, eps, wd, bc1, bc2, ema_decay=None):
+    """One AdamW step over [((param, grad, exp_avg, exp_avg_sq[, ema]), working copy or None),
+    ...] (all with an EMA or none): their concatenation is split evenly over the team (whole
+    cache lines each), one kernel call for the lot."""
     ffi, fn = ops.kernel_fn("adamw")
+    tensors = [ts for ts, _ in bucket]
     with_ema = len(tensors[0]) == 5
     cols = [ffi.new("float *[]", [ffi.cast("float *", ts[i].data_ptr()) for ts in tensors])
             for i in range(5 if with_ema else 4)]
+    copies = ffi.NULL
+    if any(c is not None for _, c in bucket):
+        copies = ffi.new("uint16_t *[]", [ffi.NULL if c is None else ffi.cast("uint16_t *", c.bf16.data_ptr())
+                                          for _, c in bucket])
     sizes = [ts[0].numel() for ts in tensors]
-    fn(*cols[:4], cols[4] if with_ema else ffi.NULL, ffi.new("int64_t[]", sizes), len(sizes),
+    fn(*cols[:4], cols[4] if with_ema else ffi.NULL, copies, ffi.new("int64_t[]", sizes), len(sizes),
        sum(sizes), lr, b1, b2, eps, wd, bc1, bc2, ema_decay if with_ema else 0.0, kernel_threads())
