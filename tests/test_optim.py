@@ -194,7 +194,7 @@ def test_adamw_and_ema_over_100_steps_are_as_close_to_float64_as_torchs():
 def test_bf16_working_copies_are_written_in_the_pass_and_never_served_stale():
     """keep_bf16_copies: each 2-D contiguous float32 weight's bf16 copy is the updated weight
     rounded as torch rounds, after every step, with its EMA or without, for a weight updated
-    by torch's fallback too; the updates themselves are unchanged. bf16_weight serves the copy
+    by torch's fallback too; the updates themselves are unchanged. working_bf16 serves the copy
     the step wrote while the weight is as the step left it, and after an in-place edit through
     torch takes it again from the edited weight first (never the stale values)."""
     from autohc.torch import frozen
@@ -216,22 +216,22 @@ def test_bf16_working_copies_are_written_in_the_pass_and_never_served_stale():
         for p, q in zip((w, b, slow), ref):
             assert torch.equal(p, q)
         for p in (w, slow):
-            copy16 = frozen.bf16_weight(p)
+            copy16 = frozen.working_bf16(p)
             assert copy16 is not None and torch.equal(copy16, p.detach().to(torch.bfloat16)), step
-        assert frozen.bf16_weight(b) is None
+        assert frozen.working_bf16(b) is None
         if step == 1:
             n = frozen.stats["refreshes"]
-            served = frozen.bf16_weight(w)
+            served = frozen.working_bf16(w)
             assert frozen.stats["refreshes"] == n    # fresh: served as the pass wrote it
             with torch.no_grad():
                 w.mul_(-1)                           # an edit the copy does not know of
             assert torch.equal(served, -w.detach().to(torch.bfloat16))     # (the same tensor)
-            assert torch.equal(frozen.bf16_weight(w), w.detach().to(torch.bfloat16))
+            assert torch.equal(frozen.working_bf16(w), w.detach().to(torch.bfloat16))
             assert frozen.stats["refreshes"] == n + 1
             with torch.no_grad():
                 ref[0].copy_(w)
     del opt                                          # the copies go with their optimizer
-    assert frozen.bf16_weight(w) is None
+    assert frozen.working_bf16(w) is None
 
 
 @pytest.mark.skipif(not __import__("autohc.torch.served", fromlist=["x"]).bf16_served(),

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.gemm.matmul import gemm_bf16_into, gemm_into
+from ..kernels.gemm.params import RANGES
 from ..runtime.memory import fresh_empty
 from . import fallback, frozen, served
 from .direct import runs_direct
@@ -96,9 +97,10 @@ def _linear_impl(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> to
     y = fresh_empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
     w16 = frozen.bf16_weight(w)         # inside autohc.frozen: rounded and packed once
     packed = frozen.packed_weight(w) if w16 is not None else None
+    wk = w16 if w16 is not None else _kernel_weight(w, x.shape[0])
 
     def kernel():
-        gemm_bf16_into(x, (w if w16 is None else w16).t(), y, 1.0, kernel_threads(), b, 1.0, packed)
+        gemm_bf16_into(x, wk.t(), y, 1.0, kernel_threads(), b, 1.0, packed)
         return served.by_autohc(y)
     return fallback.kernel_or(kernel, lambda: served.by_aten(_aten_linear(x, w, b)), "linear")
 
@@ -139,10 +141,18 @@ def _linear_gelu_train(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None)
     return _linear_gelu_train_impl(x, w, b)
 
 
-def _kernel_weight(w: torch.Tensor) -> torch.Tensor:
-    """w, or its bf16 copy where one holds w's values (frozen.bf16_weight): the same bits from
-    the kernels, which round an fp32 w as the copy was rounded."""
+# rows past every skinny path's (GemmParams.skinny_m's bound): a working copy gives the master's
+# bits only where the GEMM packs W (a skinny path sums a bf16 W otherwise than an fp32 one)
+_PACKED_ROWS = RANGES["skinny_m"][1]
+
+
+def _kernel_weight(w: torch.Tensor, rows: int) -> torch.Tensor:
+    """What the bf16 GEMMs read for w on `rows` rows of the other operand: w's frozen bf16 copy
+    (sampling), or its working copy (training, past the skinny paths), or w: the same bits,
+    since the kernels round an fp32 w as the copies were rounded."""
     w16 = frozen.bf16_weight(w)
+    if w16 is None and rows > _PACKED_ROWS:
+        w16 = frozen.working_bf16(w)
     return w if w16 is None else w16
 
 
@@ -151,7 +161,8 @@ def _linear_gelu_train_impl(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | 
     h = fresh_empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
 
     def kernel():
-        gemm_bf16_into(x, _kernel_weight(w).t(), g, 1.0, kernel_threads(), b, 1.0, epilogue="gelu_tanh", pre=h)
+        gemm_bf16_into(x, _kernel_weight(w, x.shape[0]).t(), g, 1.0, kernel_threads(), b, 1.0,
+                       epilogue="gelu_tanh", pre=h)
         return served.by_autohc(g), h
 
     def two_calls():
@@ -225,7 +236,7 @@ def _dx(dy: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     dx = fresh_empty(dy.shape[0], w.shape[1], dtype=torch.bfloat16)
 
     def kernel():
-        gemm_bf16_into(dy, _kernel_weight(w), dx, 1.0, kernel_threads())
+        gemm_bf16_into(dy, _kernel_weight(w, dy.shape[0]), dx, 1.0, kernel_threads())
         return served.by_autohc(dx)
     aten = lambda: served.by_aten(served.aten_out("mm.out")(dy, w.to(torch.bfloat16), out=dx))
     return fallback.kernel_or(kernel, aten, "linear_backward")
@@ -287,13 +298,14 @@ def _backward(ctx, dy):
 
 linear_fp32w.register_autograd(_backward, setup_context=_setup)
 
+
 def _dx_gelu(dy: torch.Tensor, w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """GELU'(h) (dY · W) in bf16, W float32 rounded while packed (NN): fc2's input gradient with
     GELU's backward in its store (epilogue gelu_tanh_bwd), dY · W never written."""
     d = fresh_empty(dy.shape[0], w.shape[1], dtype=torch.bfloat16)
 
     def kernel():
-        gemm_bf16_into(dy, _kernel_weight(w), d, 1.0, kernel_threads(), epilogue="gelu_tanh_bwd", pre=h)
+        gemm_bf16_into(dy, _kernel_weight(w, dy.shape[0]), d, 1.0, kernel_threads(), epilogue="gelu_tanh_bwd", pre=h)
         return served.by_autohc(d)
     return fallback.kernel_or(kernel, lambda: torch.ops.autohc.gelu_tanh_backward(_dx(dy, w), h),
                               "linear_backward")

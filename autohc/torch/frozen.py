@@ -16,8 +16,9 @@ Only the bf16 Linear path uses them; fp32 runs are unchanged.
 
 Training has working copies instead (`working_copy`): autohc.optim.AdamW's `keep_bf16_copies`
 makes a bf16 copy of each weight and rewrites it in the pass that updates the weight, so the
-bf16 GEMMs of the forward and of dX read it instead of rounding the fp32 master on every call
-(the same bits: the kernels round as torch's cast does). The optimizer's kernel writes the
+bf16 GEMMs of the forward and of dX that pack W (torch/autocast.py `_kernel_weight`) read it
+instead of rounding the fp32 master on every call (the same bits: the kernels round as torch's
+cast does). The optimizer's kernel writes the
 weight without touching torch's version counter, so a copy holds while the weight's version is
 the one stamped after the optimizer's pass; any in-place edit through torch (copy_,
 load_state_dict, `with torch.no_grad(): w.mul_(...)`) bumps it, and the next call that reads
@@ -69,7 +70,7 @@ _working: "weakref.WeakValueDictionary[int, WorkingCopy]" = weakref.WeakValueDic
 
 
 def working_copy(weight: torch.Tensor) -> WorkingCopy:
-    """A working copy of a contiguous float32 CPU weight, served by bf16_weight while fresh
+    """A working copy of a contiguous float32 CPU weight, served by working_bf16
     (see the module's doc); the caller holds it (it is dropped with its last reference)."""
     if weight.dtype != torch.float32 or weight.device.type != "cpu" or not weight.is_contiguous():
         raise ValueError("a working copy is of a contiguous float32 CPU tensor")
@@ -78,10 +79,9 @@ def working_copy(weight: torch.Tensor) -> WorkingCopy:
     return entry
 
 
-def _working_bf16(w: torch.Tensor) -> torch.Tensor | None:
-    """w's working copy, taken again first where w was edited since it was written (so that
-    every call reads the bf16 weight the same way: on the skinny paths a bf16 weight sums
-    otherwise than an fp32 one, and a resumed run must give the uninterrupted one's bits)."""
+def working_bf16(w: torch.Tensor) -> torch.Tensor | None:
+    """w's working copy (None: w has none), taken again first where w was edited through torch
+    since the optimizer wrote it."""
     entry = _working.get(w.data_ptr()) if _working else None
     if entry is None or entry.weight.shape != w.shape or entry.weight.stride() != w.stride():
         return None
@@ -149,11 +149,11 @@ def _bf16_of(entry: _Frozen) -> torch.Tensor:
 
 
 def bf16_weight(w: torch.Tensor) -> torch.Tensor | None:
-    """The bf16 copy of a frozen float32 weight w (taken now if w is new or was edited), or its
-    fresh working copy (training), or None."""
+    """The bf16 copy of a frozen float32 weight w (taken now if w is new or was edited), or
+    None: not frozen, or a forward that trains it."""
     entry = _current(w)
     if entry is None:
-        return _working_bf16(w)
+        return None
     stats["served"] += 1
     return _bf16_of(entry)
 
