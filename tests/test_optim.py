@@ -232,6 +232,20 @@ def test_bf16_working_copies_are_written_in_the_pass_and_never_served_stale():
                 ref[0].copy_(w)
     del opt                                          # the copies go with their optimizer
     assert frozen.working_bf16(w) is None
+    # a copy no GEMM read since the last step is not written, and a read takes it again
+    v = torch.nn.Parameter(torch.randn(40, 24))
+    opt = O.AdamW([v], lr=1e-2)
+    opt.keep_bf16_copies()
+    copy16 = opt._bf16[v]
+    for step in range(3):
+        v.grad = torch.randn_like(v)
+        before = copy16.bf16.clone()
+        opt.step()
+        if step == 1:                                # (not read since step 0)
+            assert torch.equal(copy16.bf16, before) and copy16.version is None
+            assert torch.equal(frozen.working_bf16(v), v.detach().to(torch.bfloat16))
+        else:
+            assert torch.equal(copy16.bf16, v.detach().to(torch.bfloat16)) and copy16.version == v._version
 
 
 @pytest.mark.skipif(not __import__("autohc.torch.served", fromlist=["x"]).bf16_served(),

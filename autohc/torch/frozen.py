@@ -52,14 +52,15 @@ stats = {"copies": 0, "served": 0, "packs": 0, "working": 0, "refreshes": 0}
 
 
 class WorkingCopy:
-    """A training weight's bf16 working copy and the weight's version it holds (its owner, an
-    optimizer, keeps it alive and writes it; `refresh` takes it again from the weight)."""
-    __slots__ = ("weight", "bf16", "version", "__weakref__")
+    """A training weight's bf16 working copy, the weight's version it holds (None: none) and
+    whether a GEMM read it since its owner (an optimizer, which keeps it alive) last wrote it;
+    `refresh` takes it again from the weight."""
+    __slots__ = ("weight", "bf16", "version", "read", "__weakref__")
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
         self.bf16 = weight.detach().to(torch.bfloat16).contiguous()
-        self.version = weight._version
+        self.version, self.read = weight._version, True
 
     def refresh(self) -> None:
         self.bf16.copy_(self.weight.detach())
@@ -89,6 +90,7 @@ def working_bf16(w: torch.Tensor) -> torch.Tensor | None:
         entry.refresh()
         stats["refreshes"] += 1
     stats["working"] += 1
+    entry.read = True
     return entry.bf16
 
 

@@ -17,7 +17,8 @@ gradient this step, is updated by torch's ops, with the same formula.
 bf16 working copies ride in it too: `keep_bf16_copies` gives each 2-D float32 weight a bf16
 copy (torch/frozen.py `working_copy`) that the pass writes as it updates the weight (2 bytes a
 parameter), and that the bf16 GEMMs of autocast's Linears read instead of rounding the fp32
-weight on every call.
+weight on every call. A copy no GEMM read since the last step (a skinny adaLN weight, an
+embedding table) is not written; a later read takes it again from the weight.
 """
 from __future__ import annotations
 
@@ -95,15 +96,17 @@ class AdamW(torch.optim.Optimizer):
                     if e is not None and e.is_contiguous() and e.device.type == "cpu":
                         tensors = (*tensors, e)
                         ema_done.add(p)
-                    by_step.setdefault((float(st["step"]), len(tensors) == 5), []).append(
-                        (tensors, self._bf16.get(p)))
+                    copy = self._bf16.get(p)
+                    if copy is not None and not copy.read:      # no GEMM read it: not written
+                        copy.version, copy = None, None         # (stale: a read takes it again)
+                    by_step.setdefault((float(st["step"]), len(tensors) == 5), []).append((tensors, copy))
                 else:
                     slow.append(p)
             for (t, _), bucket in by_step.items():      # one kernel call per thread for the lot
                 _fused_step(bucket, lr, b1, b2, eps, wd, 1 - b1 ** t, 1 - b2 ** t, ema_decay)
                 for _, copy in bucket:          # (the kernel wrote them; the version is the weight's)
                     if copy is not None:
-                        copy.version = copy.weight._version
+                        copy.version, copy.read = copy.weight._version, False
             if slow:                    # torch's own single-tensor AdamW for the rest
                 from torch.optim.adamw import adamw as torch_adamw
                 torch_adamw([p for p in slow], [p.grad for p in slow],
