@@ -215,6 +215,11 @@ def linear_gelu(x: torch.Tensor, linear: torch.nn.Module) -> torch.Tensor:
     return torch.nn.functional.gelu(linear(x), approximate="tanh")
 
 
+def _records_grad(*ts: torch.Tensor | None) -> bool:
+    """Whether autograd records a call on ts (training), as against sampling."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
+
+
 def linear_gelu_fn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """F.gelu(F.linear(x, w, b), approximate="tanh"), as linear_gelu on a plain Linear's
     parameters: what install()'s pass over torch.compile graphs (compile_pass.py) puts in their
@@ -223,7 +228,7 @@ def linear_gelu_fn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = No
     if torch.is_autocast_enabled("cpu") and served.is_installed() and _served(x, w, b):
         N, K = w.shape
         x2 = x.to(torch.bfloat16).reshape(-1, K)
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, b)):
+        if _records_grad(x, w, b):
             y = _linear_gelu_train(x2, w, b)[0]
         else:
             y = (_linear_gelu_impl if runs_direct(x2) else _linear_gelu)(x2, w, b)   # (w, b: Parameters)
@@ -367,7 +372,7 @@ def _mlp_backward(ctx, dy, dg, dh):
         return None, None, None, None, None
     dx, dw1, db1 = linear_fp32w_backward(d, x, w1, want_x, want_w1, want_b1)
     return (dx if want_x else None, dw1 if want_w1 else None, db1 if want_b1 else None,
-            dw2 if want_w2 and dy is not None else None, db2 if want_b2 and dy is not None else None)
+            dw2 if want_w2 else None, db2 if want_b2 else None)     # (None where dy was)
 
 
 _mlp_train.register_autograd(_mlp_backward, setup_context=_mlp_setup)
@@ -387,8 +392,7 @@ def mlp_fn(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch
            b2: torch.Tensor | None) -> torch.Tensor:
     """F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2), as mlp on plain Linears'
     parameters (and what install()'s pass over torch.compile graphs puts in place of that)."""
-    if (torch.is_autocast_enabled("cpu") and served.is_installed() and torch.is_grad_enabled()
-            and any(t is not None and t.requires_grad for t in (x, w1, b1, w2, b2))
+    if (torch.is_autocast_enabled("cpu") and served.is_installed() and _records_grad(x, w1, b1, w2, b2)
             and _served(x, w1, b1) and w2.dim() == 2 and served.tensor_ok(w2) and w2.shape[1] == w1.shape[0]
             and _weights_served(x.numel() // w1.shape[1], w2, b2)):
         N, K = w2.shape[0], w1.shape[1]

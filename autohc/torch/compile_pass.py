@@ -38,7 +38,8 @@ def _call_args(node: torch.fx.Node, names: tuple[str, ...], defaults: tuple) -> 
 
 
 def _linear_under_tanh_gelu(node: torch.fx.Node):
-    """(x, w, b) where node is GELU(tanh) of a Linear that nothing else reads, else None."""
+    """(the Linear's node, (x, w, b)) where node is GELU(tanh) of a Linear that nothing else
+    reads, else None."""
     if node.op != "call_function" or node.target not in _GELU:
         return None
     gelu = _call_args(node, ("input", "approximate"), (None, "none"))
@@ -49,17 +50,17 @@ def _linear_under_tanh_gelu(node: torch.fx.Node):
             or len(lin.users) != 1:
         return None
     args = _call_args(lin, ("input", "weight", "bias"), (None, None, None))
-    return None if args is None or args[1] is None else tuple(args)
+    return None if args is None or args[1] is None else (lin, tuple(args))
 
 
 def fuse_linear_gelu(graph: torch.fx.Graph) -> int:
     """Every GELU(tanh) of a Linear in graph into one autocast.linear_gelu_fn call; how many."""
     done = 0
     for node in list(graph.nodes):
-        args = _linear_under_tanh_gelu(node)
-        if args is None:
+        found = _linear_under_tanh_gelu(node)
+        if found is None:
             continue
-        lin = node.args[0] if node.args else node.kwargs["input"]
+        lin, args = found
         with graph.inserting_before(node):
             fused = graph.call_function(autocast.linear_gelu_fn, args)
         fused.meta.update(node.meta)
