@@ -283,3 +283,80 @@ def test_autocast_linears_read_the_working_copy_and_give_the_masters_bits():
         y, _ = fwd_bwd(lin)
         assert frozen.stats["working"] - n == 2 and frozen.stats["refreshes"] - r == 1
         assert torch.equal(y, fwd_bwd(twin)[0])
+
+
+def _stepped_under_install(make_opt, params_of, steps=5, **install):
+    """The same parameters and gradients stepped by make_opt's torch optimizer outside and
+    inside autohc.installed(**install): (the two sets of parameters, their optimizers)."""
+    import autohc
+    torch.manual_seed(1)
+    ref = params_of()
+    mine = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+    o_ref, o_mine = make_opt(ref), make_opt(mine)
+    for _ in range(steps):
+        for a, b in zip(ref, mine):
+            a.grad = torch.randn(a.shape, dtype=a.dtype).to(memory_format=torch.contiguous_format)
+            b.grad = a.grad.clone()
+        o_ref.step()
+        with autohc.installed(first_use_tuning=False, **install):
+            o_mine.step()
+    return ref, mine, o_ref, o_mine
+
+
+def test_install_runs_torchs_adamw_and_adam_as_the_fused_pass():
+    """torch.optim.AdamW and Adam (no weight decay) under install(): every float32 parameter
+    goes through the fused pass, within the stated bound of torch's own, with the same state."""
+    shapes = lambda: [torch.nn.Parameter(torch.randn(s)) for s in ((129, 37), (129,), (3, 5, 7), (1,))]
+    for make in (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+                 lambda ps: torch.optim.Adam(ps, lr=1e-2)):
+        before = O.stats["autohc"]
+        ref, mine, o_ref, o_mine = _stepped_under_install(make, shapes)
+        assert O.stats["autohc"] - before == 5 * len(ref)
+        for a, b in zip(mine, ref):
+            assert (a - b).abs().max().item() <= 3e-7 * 5 * max(1.0, b.abs().max().item())
+        for sa, sb in zip(o_mine.state_dict()["state"].values(), o_ref.state_dict()["state"].values()):
+            assert sa.keys() == sb.keys() and float(sa["step"]) == float(sb["step"]) == 5.0
+            assert torch.allclose(sa["exp_avg_sq"], sb["exp_avg_sq"], rtol=1e-6, atol=0)
+
+
+class _Marked(torch.Tensor):
+    """A tensor subclass (as DTensor's sharded parameters are): the pass leaves it to torch."""
+
+
+@pytest.mark.parametrize("case", ["amsgrad", "maximize", "adam_l2", "float64", "strided", "subclass"])
+def test_what_the_pass_does_not_take_is_torchs_bit_for_bit(case):
+    """amsgrad, maximize, Adam's L2 weight decay, a float64, non-contiguous or subclass
+    parameter: torch's own update under install(), bit for bit; the plain float32 contiguous
+    ones beside them are served."""
+    dtype = torch.float64 if case == "float64" else torch.float32
+
+    def params_of():
+        odd = torch.randn(7, 5, dtype=dtype).t() if case == "strided" else torch.randn(5, 7, dtype=dtype)
+        if case == "subclass":
+            odd = odd.as_subclass(_Marked)
+        return [torch.nn.Parameter(odd), torch.nn.Parameter(torch.randn(33))]
+    kw = {"amsgrad": {"amsgrad": True}, "maximize": {"maximize": True}}.get(case, {})
+    make = (lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1)) if case == "adam_l2" else \
+        (lambda ps: torch.optim.AdamW(ps, lr=1e-2, **kw))
+    served, kept = O.stats["autohc"], O.stats["torch"]
+    ref, mine, *_ = _stepped_under_install(make, params_of)
+    if case in ("float64", "strided", "subclass"):      # the other parameter is served
+        assert O.stats["autohc"] - served == 5 and O.stats["torch"] - kept == 5
+        assert torch.equal(mine[0], ref[0])
+    else:
+        assert O.stats["autohc"] == served and O.stats["torch"] - kept == 10
+        assert all(torch.equal(a, b) for a, b in zip(mine, ref))
+
+
+def test_uninstall_and_optimizers_false_leave_torchs_own_step():
+    import autohc
+    import torch.optim.adam as adam
+    torchs = adam._single_tensor_adam
+    with autohc.installed(first_use_tuning=False):
+        assert adam._single_tensor_adam is not torchs
+    assert adam._single_tensor_adam is torchs
+    with autohc.installed(first_use_tuning=False, optimizers=False):
+        assert adam._single_tensor_adam is torchs
+    with pytest.raises(TypeError, match="optimizers must be True or False"):
+        autohc.install(optimizers="yes")
+    assert adam._single_tensor_adam is torchs and not autohc.is_installed()

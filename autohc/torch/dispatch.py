@@ -414,7 +414,7 @@ def one_thread_hint(n: int) -> str:
 
 
 def install(threads: int | None = None, torch_threads: int | str | None = "auto",
-            first_use_tuning: bool = True) -> None:
+            first_use_tuning: bool = True, optimizers: bool = True) -> None:
     """Route torch's CPU float32 GEMMs and the fused operators to autohc kernels (tuned ones
     from the registry).
 
@@ -432,10 +432,14 @@ def install(threads: int | None = None, torch_threads: int | str | None = "auto"
         first time a GEMM problem with no registry entry is met, and record the winner
         (tune/first_use.py; a few seconds per problem, the default kernel meanwhile). ATen's
         own kernel races too: a problem where it wins is left to ATen from then on.
-        AUTOHC_FIRST_USE=0 turns it off whatever this says."""
+        AUTOHC_FIRST_USE=0 turns it off whatever this says.
+    optimizers: torch.optim.Adam and AdamW's default CPU step (one ATen pass per operation and
+        parameter) runs as autohc's fused AdamW pass for the float32 tensors it takes
+        (torch/optim.py); the same update up to float32 rounding order. False leaves torch's."""
     _positive("threads", threads)
-    if not isinstance(first_use_tuning, bool):
-        raise TypeError(f"autohc.install: first_use_tuning must be True or False, got {first_use_tuning!r}")
+    for name, flag in (("first_use_tuning", first_use_tuning), ("optimizers", optimizers)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"autohc.install: {name} must be True or False, got {flag!r}")
     auto = torch_threads == "auto"
     if auto:    # one set of threads (AUTOHC_TEAM=omp), or torch's waiting briefly: leave them
         torch_threads = None if omp.team_kind() == "omp" or omp.torch_waits_briefly() else 1
@@ -456,6 +460,8 @@ def install(threads: int | None = None, torch_threads: int | str | None = "auto"
         if ATEN_OUT["mm.out"] is not None:      # races ATen's own kernel too (never this override)
             first_use.set_aten_runner(_aten_mm_into)
         prepared.forget()
+        from . import optim
+        (optim.serve_torch_adam if optimizers else optim.restore_torch_adam)()
         if _override["lib"] is not None:
             return
         lib = torch.library.Library("aten", "IMPL")
@@ -488,7 +494,8 @@ def uninstall() -> None:
         set_kernel_threads(None)
         if lib is not None:
             lib._destroy()
-            from . import compile_pass
+            from . import compile_pass, optim
+            optim.restore_torch_adam()
             compile_pass.restore_pass(_state.pop("pre_grad_pass_before", None))
             first_use.set_aten_runner(None)
             first_use.enable(_state.get("first_use_before", False))
@@ -497,10 +504,10 @@ def uninstall() -> None:
 
 @contextlib.contextmanager
 def installed(threads: int | None = None, torch_threads: int | str | None = "auto",
-              first_use_tuning: bool = True):
+              first_use_tuning: bool = True, optimizers: bool = True):
     """`with autohc.installed(): ...` — installed inside the block, as before after it."""
     was = is_installed()
-    install(threads, torch_threads, first_use_tuning)
+    install(threads, torch_threads, first_use_tuning, optimizers)
     try:
         yield
     finally:

@@ -139,4 +139,82 @@ def _fused_step(bucket, lr, b1, b2, eps, wd, bc1, bc2, ema_decay=None):
                                           for _, c in bucket])
     sizes = [ts[0].numel() for ts in tensors]
     fn(*cols[:4], cols[4] if with_ema else ffi.NULL, copies, ffi.new("int64_t[]", sizes), len(sizes),
-       sum(sizes), lr, b1, b2, eps, wd, bc1, bc2, ema_decay if with_ema else 0.0, kernel_threads())
+       sum(sizes), lr, 1 - b1, b2, 1 - b2, eps, wd, bc1, bc2, ema_decay if with_ema else 0.0,
+       kernel_threads())
+
+
+# --- torch's own Adam and AdamW under install() ---------------------------------------------
+# torch.optim.Adam and AdamW on the CPU run, by default, `_single_tensor_adam`: about ten
+# element-wise ATen calls per parameter, each a pass over it (docs/history.md, stop 84: 81-98
+# ms of a 0.5 s DiT-S/2 step). install() puts the fused pass above in its place for the
+# tensors it takes: float32, contiguous, on the CPU, with AdamW's decoupled weight decay (or
+# none), no amsgrad, maximize, capturable or differentiable step, outside torch.compile.
+# Anything else goes to torch's own function, unchanged. The fused pass differs from torch's
+# by float32 rounding order only (tests/test_optim.py states the bound).
+stats = {"autohc": 0, "torch": 0}       # parameters each has updated while served
+_torch_single_tensor_adam: list = []    # torch's function while install() serves it
+
+
+def _scalar(x) -> float | None:
+    """x as a Python float where it is one (a float, or a one-element tensor without grad)."""
+    if isinstance(x, torch.Tensor):
+        return float(x) if x.numel() == 1 and not x.requires_grad else None
+    return float(x)
+
+
+def _served_single_tensor_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
+                               *args, **kw):
+    """torch.optim.adam._single_tensor_adam's contract: the fused pass for the tensors it takes,
+    torch's own function for the others."""
+    torch_fn = _torch_single_tensor_adam[0]
+    lr, b1, b2 = (_scalar(kw.get(k)) for k in ("lr", "beta1", "beta2"))
+    wd, eps = kw.get("weight_decay"), kw.get("eps")
+    plain = (not args and set(kw) <= _ADAM_KEYWORDS and None not in (lr, b1, b2)
+             and isinstance(wd, (int, float)) and isinstance(eps, (int, float))
+             and (wd == 0 or kw.get("decoupled_weight_decay"))
+             and not any(kw.get(k) for k in ("amsgrad", "maximize", "capturable", "differentiable",
+                                             "has_complex"))
+             and kw.get("grad_scale") is None and kw.get("found_inf") is None
+             and not torch.compiler.is_compiling())
+    # (plain tensors only: a subclass, DTensor's sharded parameters say, has no storage of its own)
+    take = [plain and all(type(t) in _PLAIN and t.dtype == torch.float32 and t.device.type == "cpu"
+                          and t.is_contiguous() and not t.is_sparse for t in (p, g, m, v)) and p.numel() > 0
+            and s.numel() == 1 and s.device.type == "cpu"
+            for p, g, m, v, s in zip(params, grads, exp_avgs, exp_avg_sqs, state_steps)]
+    rest = [i for i, ok in enumerate(take) if not ok]
+    if rest:
+        pick = lambda ts: [ts[i] for i in rest] if ts else ts
+        torch_fn(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), pick(max_exp_avg_sqs),
+                 pick(state_steps), *args, **kw)
+        stats["torch"] += len(rest)
+    by_step: dict[float, list] = {}
+    for i, ok in enumerate(take):
+        if ok:
+            state_steps[i] += 1                 # (torch's function counts the step first too)
+            by_step.setdefault(float(state_steps[i]), []).append(
+                ((params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]), None))
+    with torch.no_grad():
+        for t, bucket in by_step.items():
+            _fused_step(bucket, lr, b1, b2, eps, float(wd), 1 - b1 ** t, 1 - b2 ** t)
+            stats["autohc"] += len(bucket)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_ADAM_KEYWORDS = {"grad_scale", "found_inf", "amsgrad", "has_complex", "beta1", "beta2", "lr",
+                  "weight_decay", "eps", "maximize", "capturable", "differentiable",
+                  "decoupled_weight_decay"}
+
+
+def serve_torch_adam() -> None:
+    """Put the fused pass under torch.optim.Adam and AdamW's default CPU path (install())."""
+    import torch.optim.adam as adam
+    if not _torch_single_tensor_adam:
+        _torch_single_tensor_adam.append(adam._single_tensor_adam)
+        adam._single_tensor_adam = _served_single_tensor_adam
+
+
+def restore_torch_adam() -> None:
+    """Give torch.optim.Adam and AdamW their own function back (uninstall())."""
+    import torch.optim.adam as adam
+    if _torch_single_tensor_adam:
+        adam._single_tensor_adam = _torch_single_tensor_adam.pop()
