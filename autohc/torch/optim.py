@@ -156,10 +156,12 @@ _torch_single_tensor_adam: list = []    # torch's function while install() serve
 
 
 def _scalar(x) -> float | None:
-    """x as a Python float where it is one (a float, or a one-element tensor without grad)."""
+    """x as a Python float where it is one (a number, or a one-element CPU tensor without
+    grad), else None."""
     if isinstance(x, torch.Tensor):
-        return float(x) if x.numel() == 1 and not x.requires_grad else None
-    return float(x)
+        ok = x.numel() == 1 and not x.requires_grad and x.device.type == "cpu"
+        return float(x) if ok else None
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
 def _served_single_tensor_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
