@@ -2,13 +2,15 @@
 
 Not autohc's model: plain nn modules, adaLN-Zero blocks as in facebookresearch/DiT, attention
 through F.scaled_dot_product_attention. Two copies start from the same weights and see the
-same batches; their training steps (forward, backward, AdamW) are timed interleaved by the
-project's timing protocol (autohc.bench.timing), the installed one inside `autohc.installed()`.
+same batches; their training steps (forward, backward, torch's AdamW and the reference's EMA
+update, as facebookresearch/DiT's train.py runs them) are timed interleaved by the project's
+timing protocol (autohc.bench.timing), the installed one inside `autohc.installed()`.
 Prints the step times, the speedup and the largest relative loss difference.
 
-    python bench/hand_written_dit.py [--depth 12 --dim 384 --heads 6 --batch 8] [--autocast] [--compile] [--json]
+    python bench/hand_written_dit.py [--depth 12 --dim 384 --heads 6 --batch 8] [--autocast] [--compile] [--no-ema] [--json]
 """
 import argparse
+import copy
 import importlib.util
 import json
 import math
@@ -20,7 +22,7 @@ import torch.nn.functional as F
 import autohc
 from autohc.bench import timing
 from autohc.hw import cpu
-from autohc.torch import served
+from autohc.torch import optim, served
 
 
 def modulate(x, shift, scale):
@@ -85,11 +87,21 @@ class HandDiT(nn.Module):
         return x.reshape(B, H // p, W // p, C, p, p).permute(0, 3, 1, 4, 2, 5).reshape(B, C, H, W)
 
 
-class Trainer:
-    """One model copy, its AdamW and its own batch stream (same seed for both copies)."""
+@torch.no_grad()
+def update_ema(ema_model, model, decay=0.9999):
+    """The reference's EMA step (facebookresearch/DiT train.py), as written there."""
+    ema_params = dict(ema_model.named_parameters())
+    for name, param in model.named_parameters():
+        ema_params[name].mul_(decay).add_(param.data, alpha=1 - decay)
 
-    def __init__(self, model, batch, installed, autocast=False, compiled=False):
+
+class Trainer:
+    """One model copy, its AdamW, its EMA (unless ema=False) and its own batch stream (same
+    seed for both copies)."""
+
+    def __init__(self, model, batch, installed, autocast=False, compiled=False, ema=True):
         self.batch, self.installed, self.autocast = batch, installed, autocast
+        self.raw, self.ema = model, copy.deepcopy(model).requires_grad_(False) if ema else None
         # compiled: torch.compile of the same module, traced on its first step (for the
         # installed copy inside autohc.installed(), so the graph holds autohc's ops)
         self.model = torch.compile(model) if compiled else model
@@ -110,6 +122,8 @@ class Trainer:
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             self.opt.step()
+            if self.ema is not None:
+                update_ema(self.ema, self.raw)
         self.losses.append(loss.item())
 
 
@@ -135,6 +149,8 @@ def main():
                     help="both sides run the forward under torch.autocast('cpu', bfloat16)")
     ap.add_argument("--compile", action="store_true",
                     help="both sides run torch.compile of the model (default mode)")
+    ap.add_argument("--no-ema", action="store_true",
+                    help="leave the EMA update out of both sides' steps (default: the reference's update_ema)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.dim % args.heads:
@@ -143,26 +159,30 @@ def main():
     model = HandDiT(args.depth, args.dim, args.heads)
     twin = _own_code().HandDiT(args.depth, args.dim, args.heads)
     twin.load_state_dict(model.state_dict())
-    sides = {"stock": Trainer(model, args.batch, False, args.autocast, args.compile),
-             "autohc": Trainer(twin, args.batch, True, args.autocast, args.compile)}
+    sides = {"stock": Trainer(model, args.batch, False, args.autocast, args.compile, not args.no_ema),
+             "autohc": Trainer(twin, args.batch, True, args.autocast, args.compile, not args.no_ema)}
     # one step per sample: both copies take the same number of steps, so see the same batches
     t = timing.interleaved({k: s.step for k, s in sides.items()}, samples=args.samples,
                            warmup=2, min_sample_s=0.0)
     a, b = sides["autohc"].losses, sides["stock"].losses
-    out = {"cpu": cpu.detect().model, "autocast_bf16": args.autocast, "compiled": args.compile, "depth": args.depth, "dim": args.dim, "batch": args.batch,
+    out = {"cpu": cpu.detect().model, "autocast_bf16": args.autocast, "compiled": args.compile,
+           "ema": not args.no_ema, "depth": args.depth, "dim": args.dim, "batch": args.batch,
            "stock_s": t["stock"].median, "autohc_s": t["autohc"].median,
            "stock_spread_pct": t["stock"].spread_pct, "autohc_spread_pct": t["autohc"].spread_pct,
            "speedup": t["stock"].median / t["autohc"].median, "steps": len(a),
            "max_loss_rel_diff": max(abs(x - y) / abs(y) for x, y in zip(a, b)),
-           "ops_served_by_autohc": served.stats["autohc"]}
+           "ops_served_by_autohc": served.stats["autohc"],
+           "optimizer_params_served_by_autohc": optim.stats["autohc"]}
     if args.json:
         print(json.dumps(out))
     else:
         print(f"hand-written DiT ({args.depth} blocks, dim {args.dim}), batch {args.batch}"
-              f"{', autocast bf16' if args.autocast else ''}{', torch.compile' if args.compile else ''}, on {out['cpu']}:")
+              f"{', autocast bf16' if args.autocast else ''}{', torch.compile' if args.compile else ''}"
+              f"{', AdamW + EMA' if out['ema'] else ', AdamW, no EMA'}, on {out['cpu']}:")
         print(f"  stock  {out['stock_s']:.3f} s/step (spread {out['stock_spread_pct']} %)")
         print(f"  autohc {out['autohc_s']:.3f} s/step (spread {out['autohc_spread_pct']} %)")
-        print(f"  {out['ops_served_by_autohc']} calls served by autohc's kernels")
+        print(f"  {out['ops_served_by_autohc']} calls served by autohc's kernels, "
+              f"{out['optimizer_params_served_by_autohc']} parameter updates by its AdamW pass")
         print(f"  speedup {out['speedup']:.2f}x; max relative loss difference over {out['steps']} "
               f"steps {out['max_loss_rel_diff']:.2e}")
 
