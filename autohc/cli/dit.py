@@ -490,17 +490,22 @@ def _run_trainer(trainer, args, launch) -> int:
         if trainer.cftp_clusters:
             from ..runtime import cftp
             cftp.disable()
-    trainer.end_data_parallel()
     if (stopped := summary["stopped_by"]) is not None:
+        # every rank says so before end_data_parallel's last collective (under mpirun the first
+        # rank to exit with a non-zero code gets the others killed, their line unwritten), each
+        # line in one write: the ranks share stderr and say it at the same moment
         if launch.rank == 0:
-            print(f"autohc train: {stopped['signal']} at step {trainer.step}: stopped after writing "
-                  f"{stopped['checkpoint']}; the same command continues from there "
-                  f"(exit {preempt.EXIT_PREEMPTED})", file=sys.stderr, flush=True)
-            if stopped["requeue"]:
-                preempt.requeue()
+            line = (f"autohc train: {stopped['signal']} at step {trainer.step}: stopped after writing "
+                    f"{stopped['checkpoint']}; the same command continues from there "
+                    f"(exit {preempt.EXIT_PREEMPTED})")
         else:
-            print(f"autohc train: rank {launch.rank}: stopped at step {trainer.step} "
-                  f"(exit {preempt.EXIT_PREEMPTED})", file=sys.stderr, flush=True)
+            line = f"autohc train: rank {launch.rank}: stopped at step {trainer.step} (exit {preempt.EXIT_PREEMPTED})"
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    trainer.end_data_parallel()
+    if stopped is not None:
+        if launch.rank == 0 and stopped["requeue"]:
+            preempt.requeue()
         return preempt.EXIT_PREEMPTED
     if launch.rank != 0:                # rank 0 plots, samples and reports
         return 0
