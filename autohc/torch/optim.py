@@ -90,8 +90,7 @@ class AdamW(torch.optim.Optimizer):
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 st["step"] += 1
                 tensors = (p, p.grad, st["exp_avg"], st["exp_avg_sq"])
-                if all(x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous()
-                       for x in tensors) and p.numel() > 0:
+                if _fused_takes(tensors):
                     e = ema.get(p)
                     if e is not None and e.is_contiguous() and e.device.type == "cpu":
                         tensors = (*tensors, e)
@@ -124,6 +123,18 @@ class AdamW(torch.optim.Optimizer):
         return loss
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _fused_takes(tensors) -> bool:
+    """Whether the fused pass can update (param, grad, exp_avg, exp_avg_sq): plain, dense,
+    contiguous float32 CPU tensors, not empty. (A subclass, DTensor's sharded parameters say,
+    has no storage of its own to write through.)"""
+    return tensors[0].numel() > 0 and all(
+        type(t) in _PLAIN and t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+        and not t.is_sparse for t in tensors)
+
+
 def _fused_step(bucket, lr, b1, b2, eps, wd, bc1, bc2, ema_decay=None):
     """One AdamW step over [((param, grad, exp_avg, exp_avg_sq[, ema]), working copy or None),
     ...] (all with an EMA or none): their concatenation is split evenly over the team (whole
@@ -145,8 +156,8 @@ def _fused_step(bucket, lr, b1, b2, eps, wd, bc1, bc2, ema_decay=None):
 
 # --- torch's own Adam and AdamW under install() ---------------------------------------------
 # torch.optim.Adam and AdamW on the CPU run, by default, `_single_tensor_adam`: about ten
-# element-wise ATen calls per parameter, each a pass over it (docs/history.md, stop 84: 81-98
-# ms of a 0.5 s DiT-S/2 step). install() puts the fused pass above in its place for the
+# element-wise ATen calls per parameter, each a pass over it (docs/history.md, stop 84, for
+# what that costs a DiT's step). install() puts the fused pass above in its place for the
 # tensors it takes: float32, contiguous, on the CPU, with AdamW's decoupled weight decay (or
 # none), no amsgrad, maximize, capturable or differentiable step, outside torch.compile.
 # Anything else goes to torch's own function, unchanged. The fused pass differs from torch's
@@ -178,10 +189,7 @@ def _served_single_tensor_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg
                                              "has_complex"))
              and kw.get("grad_scale") is None and kw.get("found_inf") is None
              and not torch.compiler.is_compiling())
-    # (plain tensors only: a subclass, DTensor's sharded parameters say, has no storage of its own)
-    take = [plain and all(type(t) in _PLAIN and t.dtype == torch.float32 and t.device.type == "cpu"
-                          and t.is_contiguous() and not t.is_sparse for t in (p, g, m, v)) and p.numel() > 0
-            and s.numel() == 1 and s.device.type == "cpu"
+    take = [plain and _fused_takes((p, g, m, v)) and s.numel() == 1 and s.device.type == "cpu"
             for p, g, m, v, s in zip(params, grads, exp_avgs, exp_avg_sqs, state_steps)]
     rest = [i for i, ok in enumerate(take) if not ok]
     if rest:
@@ -201,7 +209,6 @@ def _served_single_tensor_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg
             stats["autohc"] += len(bucket)
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _ADAM_KEYWORDS = {"grad_scale", "found_inf", "amsgrad", "has_complex", "beta1", "beta2", "lr",
                   "weight_decay", "eps", "maximize", "capturable", "differentiable",
                   "decoupled_weight_decay"}
