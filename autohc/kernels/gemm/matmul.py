@@ -168,16 +168,16 @@ def outdated_default(hit, threads: int) -> bool:
 def byte_offsets(shape, strides, itemsize: int) -> tuple[int, int]:
     """The bytes [lo, hi) that elements of `shape` at element `strides` occupy, as offsets from
     the first element's address ((0, 0) when there are none)."""
-    if len(shape) == 2:                 # (every GEMM operand: no generators on the hot path)
-        (m, n), (s0, s1) = shape, strides
-        if m == 0 or n == 0:
+    lo = hi = 0                         # (one plain loop: every GEMM operand's check, per call)
+    for n, s in zip(shape, strides):
+        if n == 0:
             return 0, 0
-        e0, e1 = (m - 1) * s0, (n - 1) * s1
-        return itemsize * (min(0, e0) + min(0, e1)), itemsize * (max(0, e0) + max(0, e1) + 1)
-    if 0 in shape:
-        return 0, 0
-    ends = [(n - 1) * s for n, s in zip(shape, strides)]
-    return itemsize * sum(min(0, e) for e in ends), itemsize * (sum(max(0, e) for e in ends) + 1)
+        e = (n - 1) * s
+        if e < 0:
+            lo += e
+        else:
+            hi += e
+    return itemsize * lo, itemsize * (hi + 1)
 
 
 class _Operand:
