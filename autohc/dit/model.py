@@ -13,8 +13,10 @@ adaLN modulate and gated residual one fused kernel each, and, where it also has
 its backward writes d qkv in one pass, and where it has `linear_gelu(x, fc1)` (FUSED has), the
 MLP's fc1 and GELU are one call (one kernel when sampling in bf16), and where it has
 `mlp(x, fc1, fc2)` (FUSED has), the whole MLP is (in bf16 training its backward also takes
-GELU's derivative in fc2's input-gradient kernel); without them, plain torch, the same results
-to float32 rounding.
+GELU's derivative in fc2's input-gradient kernel), and where it has `gated_residual_norm(x, y,
+gate, scale, shift, eps)` (FUSED has), each gated residual and the LayerNorm + modulate after it
+are one op, the blocks run as one chain (DiT._chained); without them, plain torch, the same
+results to float32 rounding.
 """
 from __future__ import annotations
 
@@ -281,10 +283,45 @@ class DiT(nn.Module):
         if split is not None:
             x = split.local(x)
         c = self.t_embedder(t) + self.y_embedder(y, self.training, drop_draws)
-        for block in self.blocks:
-            x = block(x, c)
-        x = self.final_layer(x, c)
+        chain = self._chain_ops()
+        if chain is not None:
+            x = self._chained(x, c, chain)
+        else:
+            for block in self.blocks:
+                x = block(x, c)
+            x = self.final_layer(x, c)
         return self.unpatchify(x if split is None else split.gather(x))
+
+    def _chain_ops(self):
+        """The fused ops, where they have gated_residual_norm and the blocks and the final layer
+        are this file's, with no hooks that calling them one by one would run; else None."""
+        f = self.blocks[0].fused if len(self.blocks) else None
+        if getattr(f, "gated_residual_norm", None) is None:
+            return None
+        from torch.nn.modules import module as nn_module
+        if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+            return None
+        heads = [*self.blocks, self.final_layer]
+        if any(type(m) not in (DiTBlock, FinalLayer) or m.fused is not f or m._forward_hooks
+               or m._forward_pre_hooks for m in heads):
+            return None
+        return f
+
+    def _chained(self, x, c, f):
+        """The blocks and the final layer with each gated residual and the LayerNorm + modulate
+        after it (the next sub-block's, the next block's or the final layer's) as one op,
+        f.gated_residual_norm: the values of DiTBlock.forward and FinalLayer.forward, block by
+        block, with the residual stream read once per pair instead of twice. Every block's
+        modulation is taken first: a block's last LayerNorm needs the next block's."""
+        mods = [b.adaLN_modulation(c).chunk(6, dim=1) for b in self.blocks]
+        fin_shift, fin_scale = self.final_layer.adaLN_modulation(c).chunk(2, dim=1)
+        h = norm_modulate(x, mods[0][0], mods[0][1], f)
+        for i, block in enumerate(self.blocks):
+            _, _, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods[i]
+            x, h = f.gated_residual_norm(x, block.attn(h), gate_msa, scale_mlp, shift_mlp, 1e-6)
+            shift, scale = (mods[i + 1][0], mods[i + 1][1]) if i + 1 < len(mods) else (fin_shift, fin_scale)
+            x, h = f.gated_residual_norm(x, block.mlp(h), gate_mlp, scale, shift, 1e-6)
+        return self.final_layer.linear(h)
 
     def forward_with_cfg(self, x, t, y, cfg_scale: float):
         """Classifier-free guidance: eps = eps(null) + s (eps(y) - eps(null)) on the first C channels,

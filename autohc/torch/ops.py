@@ -480,6 +480,136 @@ def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torc
     return (_gated_impl if direct else _gated)(x, y, gate)
 
 
+# --------------- a gated residual and the next LayerNorm + modulate of its result, fused
+
+def _gres_ln_kernel(x, y, gate, scale, shift, eps: float) -> str | None:
+    """The kernel that runs gated_residual_norm on these tensors, or None (the two ops run)."""
+    if not (_fast(x) and x.numel() > 0 and y.shape == x.shape and _strided_cpu(y, gate, scale, shift)):
+        return None
+    B, T, D = x.shape
+    if any(tuple(t.shape) != (B, D) for t in (gate, scale, shift)):
+        return None
+    dtypes = {t.dtype for t in (y, gate, scale, shift)}
+    if dtypes == {torch.float32}:
+        return "gres_ln_mod_fwd"
+    if dtypes == {torch.bfloat16}:
+        return "gres_ln_mod_fwd_bf16"
+    return None
+
+
+def _gres_ln_impl(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor,
+                  shift: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, h, mean, rstd): out = x + gate y (fp32), h = LayerNorm(out) (1 + scale) + shift in
+    y's dtype, mean and rstd of out's rows (fp32)."""
+    B, T, D = x.shape
+    kernel = _gres_ln_kernel(x, y, gate, scale, shift, eps)
+    if kernel is not None:
+        try:
+            ffi, fn = kernel_fn(kernel)
+            xc, yc, gc, sc, sh = (t.contiguous() for t in (x, y, gate, scale, shift))
+            out = _fresh_like(xc)
+            h = _fresh_like(xc, y.dtype)
+            mean, rstd = torch.empty(B * T), torch.empty(B * T)
+            fn(*(_ptr(ffi, t) for t in (xc, yc, gc, sc, sh, out, h, mean, rstd)), B * T, D, T, float(eps),
+               kernel_threads())
+            return out, h, mean, rstd
+        except fallback.FAILURES as e:
+            fallback.report(e, "gated_residual_norm")
+    out = x + gate.float()[:, None, :] * y.float()
+    h, mean, rstd = _ln_mod_reference(out, scale.float(), shift.float(), eps)
+    return out, h.to(y.dtype), mean, rstd
+
+
+_gres_ln = torch.library.custom_op("autohc::gated_residual_norm", mutates_args=())(_gres_ln_impl)
+
+
+@_gres_ln.register_fake
+def _(x, y, gate, scale, shift, eps):
+    B, T, D = x.shape
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(x, dtype=y.dtype, memory_format=torch.contiguous_format),
+            x.new_empty(B * T), x.new_empty(B * T))
+
+
+@torch.library.custom_op("autohc::gated_residual_norm_backward", mutates_args=())
+def _gres_ln_bwd(dh: torch.Tensor, gout: torch.Tensor | None, out: torch.Tensor, y: torch.Tensor,
+                 gate: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor,
+                 rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx fp32, dy, dgate, dscale, dshift) of gated_residual_norm for the gradients dh of h and
+    gout of out (None: out not used further); dy, dgate, dscale, dshift in y's dtype, sums in fp32."""
+    B, T, D = out.shape
+    bf16 = y.dtype == torch.bfloat16
+    kernel = "gres_ln_mod_bwd_bf16" if bf16 else "gres_ln_mod_bwd"
+    if (_gres_ln_kernel(out, y, gate, scale, scale, 0.0) is not None and dh.shape == out.shape
+            and dh.dtype == y.dtype and _strided_cpu(dh) and (gout is None or _fast(gout, out))
+            and all(t.dtype == torch.float32 and t.is_contiguous() for t in (mean, rstd))):
+        try:
+            ffi, fn = kernel_fn(kernel)
+            dhc, oc, yc, gc, sc = (t.contiguous() for t in (dh, out, y, gate, scale))
+            goc = gout.contiguous() if gout is not None else None
+            dx = _fresh_like(oc)
+            dy = _fresh_like(oc, y.dtype)
+            dgate, dscale, dshift = torch.empty(B, D), torch.empty(B, D), torch.empty(B, D)
+            fn(*(_ptr(ffi, t) for t in (dhc, goc, oc, sc, mean, rstd, yc, gc, dx, dy, dgate, dscale, dshift)),
+               B, D, T, B * T, kernel_threads())
+            return dx, dy, dgate.to(y.dtype), dscale.to(y.dtype), dshift.to(y.dtype)
+        except fallback.FAILURES as e:
+            fallback.report(e, "gated_residual_norm_backward")
+    # the kernel's formula in torch ops (no autograd here)
+    of, dhf, sf = out.float(), dh.float(), scale.float()
+    xhat = (of - mean.reshape(B, T, 1)) * rstd.reshape(B, T, 1)
+    g = dhf * (1 + sf[:, None, :])
+    dx = rstd.reshape(B, T, 1) * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
+    if gout is not None:
+        dx = dx + gout
+    return (dx, (dx * gate.float()[:, None, :]).to(y.dtype), (dx * y.float()).sum(1).to(y.dtype),
+            (dhf * xhat).sum(1).to(y.dtype), dhf.sum(1).to(y.dtype))
+
+
+@_gres_ln_bwd.register_fake
+def _(dh, gout, out, y, gate, scale, mean, rstd):
+    return (torch.empty_like(out, memory_format=torch.contiguous_format),
+            torch.empty_like(y, memory_format=torch.contiguous_format),
+            torch.empty_like(gate), torch.empty_like(gate), torch.empty_like(gate))
+
+
+def _gres_ln_setup(ctx, inputs, output):
+    x, y, gate, scale, shift, eps = inputs
+    out, h, mean, rstd = output
+    ctx.save_for_backward(out, y, gate, scale, mean, rstd)
+
+
+def _gres_ln_backward(ctx, gout, gh, gmean, grstd):
+    out, y, gate, scale, mean, rstd = ctx.saved_tensors
+    if gh is None:                      # (h unused: only the residual's gradient)
+        gh = torch.zeros_like(out, dtype=y.dtype)
+    dx, dy, dgate, dscale, dshift = _gres_ln_bwd(gh, gout, out, y, gate, scale, mean, rstd)
+    return dx, dy, dgate, dscale, dshift, None
+
+
+_gres_ln.register_autograd(_gres_ln_backward, setup_context=_gres_ln_setup)
+
+
+def gated_residual_norm(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor,
+                        shift: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, h) with out = gated_residual(x, y, gate) and h = layernorm_modulate(out, scale,
+    shift, eps), in one pass over the rows (DiT: a block's residual add and the next LayerNorm
+    + modulate); its backward is one pass too. x: (B, T, D) float32; y: (B, T, D) and gate,
+    scale, shift: (B, D), all float32 or all bfloat16 (autocast's: h is then bf16, as
+    layernorm_modulate's under autocast). Other dtypes run the two ops."""
+    if x.dim() != 3 or y.shape != x.shape or any(tuple(t.shape) != (x.shape[0], x.shape[2])
+                                                 for t in (gate, scale, shift)):
+        raise ValueError(f"gated_residual_norm: x, y must be (B, T, D) and gate, scale, shift (B, D); got "
+                         f"{tuple(x.shape)}, {tuple(y.shape)}, {tuple(gate.shape)}, {tuple(scale.shape)}, "
+                         f"{tuple(shift.shape)}")
+    if _gres_ln_kernel(x, y, gate, scale, shift, eps) is None:
+        out = gated_residual(x, y, gate)
+        return out, layernorm_modulate(out, scale, shift, eps)
+    fn = _gres_ln_impl if runs_direct(x, y, gate, scale, shift) else _gres_ln
+    out, h, _, _ = fn(x, y, gate, scale, shift, float(eps))
+    return out, h
+
+
 class FusedOps(NamedTuple):
     """The fused operators a DiT's blocks take (dit.DiT.use_fused_ops)."""
     layernorm_modulate: Callable
@@ -487,6 +617,8 @@ class FusedOps(NamedTuple):
     qkv_attention: Callable | None = None
     linear_gelu: Callable | None = None     # (x, fc1) -> GELU(tanh)(fc1(x))
     mlp: Callable | None = None             # (x, fc1, fc2) -> fc2(GELU(tanh)(fc1(x)))
+    # (x, y, gate, scale, shift, eps) -> (gated_residual(x, y, gate), layernorm_modulate of it)
+    gated_residual_norm: Callable | None = None
 
 
 def _qkv_attention(qkv: torch.Tensor, heads: int) -> torch.Tensor:
@@ -504,7 +636,8 @@ def _mlp(x: torch.Tensor, fc1: torch.nn.Module, fc2: torch.nn.Module) -> torch.T
     return mlp(x, fc1, fc2)
 
 
-FUSED = FusedOps(layernorm_modulate, gated_residual, _qkv_attention, _linear_gelu, _mlp)
+FUSED = FusedOps(layernorm_modulate, gated_residual, _qkv_attention, _linear_gelu, _mlp,
+                 gated_residual_norm)
 
 
 # ------------------------------------------------- aten CPU kernels for autohc.install()

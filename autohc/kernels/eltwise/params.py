@@ -26,10 +26,14 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "softmax_bwd": ("vl", "stream_stores", "threads"),
     "gated_residual": ("vl", "stream_stores", "threads"),
     "gated_residual_bwd": ("vl", "threads"),
+    # (the gated residual's out is read back for its LayerNorm: never streamed)
+    "gres_ln_mod_fwd": ("vl", "threads"),
+    "gres_ln_mod_bwd": ("vl", "stream_stores", "threads"),
     "adamw": ("vl", "threads"),
 }
 OUTPUTS = {"gelu_tanh_fwd": "y", "gelu_tanh_bwd": "dx", "silu_fwd": "y", "silu_bwd": "dx",
-           "ln_mod_fwd": "y", "ln_mod_bwd": "dx", "gated_residual": "out", "gated_residual_bwd": "dy"}
+           "ln_mod_fwd": "y", "ln_mod_bwd": "dx", "gated_residual": "out", "gated_residual_bwd": "dy",
+           "gres_ln_mod_fwd": "h", "gres_ln_mod_bwd": "dx"}
 # bf16 forms (torch autocast's tensors): kernel -> its arrays that are bfloat16 (the rest fp32).
 # GELU / SiLU read and write bf16; LayerNorm + modulate reads the fp32 residual stream and the
 # bf16 adaLN scale / shift and writes the bf16 input of the next GEMM; the gated residual adds
@@ -43,6 +47,8 @@ BF16_ARRAYS: dict[str, tuple[str, ...]] = {
     "ln_mod_bwd_bf16": ("dy", "scale"),
     "gated_residual_bf16": ("y",),
     "gated_residual_bwd_bf16": ("y",),
+    "gres_ln_mod_fwd_bf16": ("y", "gate", "scale", "h"),
+    "gres_ln_mod_bwd_bf16": ("dh", "scale", "y", "dy"),
 }
 # the same knobs, less streaming stores where the result is bf16 (they stream float32 only)
 KERNELS.update({k: tuple(n for n in KERNELS[k.removesuffix("_bf16")]
