@@ -64,3 +64,35 @@ def test_bench_gemm_cold_reaches_every_problem_and_says_so(monkeypatch):
     seen.clear()
     assert gemm.bench_gemm("dit-s", 1, first_use_tuning=False)["caches"].startswith("warm")
     assert seen == [False] * 15
+
+
+def test_bench_gemm_operands_in_huge_pages(monkeypatch):
+    """`autohc bench gemm --pages`: huge (the default) gives every library operands laid out as
+    before (a transposed view stays one) in huge-page blocks; 4k keeps torch's allocations."""
+    import torch
+    from autohc.bench import gemm
+    from autohc.cli import build_parser
+    from autohc.kernels.gemm.problem import GemmProblem
+    from autohc.runtime import memory
+    w = torch.randn(40, 48)
+    for t in (w, w.t()):
+        h = gemm.in_huge_pages(t)
+        assert torch.equal(h, t) and h.stride() == t.stride() and h.data_ptr() != t.data_ptr()
+        assert h.data_ptr() % memory.HUGE == 0 or h.nbytes < memory.HUGE_MIN_BYTES
+    copied = []
+    real = gemm.huge_page_copy
+    monkeypatch.setattr(gemm, "huge_page_copy", lambda t: copied.append(t.shape) or real(t))
+    row = gemm.bench_problem(GemmProblem("t", "TN", 64, 48, 80), 1, repeats=1, dtype="bf16", huge_pages=True)
+    assert row.gflops > 0 and row.torch_gflops > 0 and len(copied) == 8   # a, b, C, numpy's C, a16, b16, 2 bf16 C
+    copied.clear()
+    gemm.bench_problem(GemmProblem("t", "TN", 64, 48, 80), 1, repeats=1)
+    assert not copied
+    seen = []
+    monkeypatch.setattr(gemm, "bench_problem", lambda p, threads, **kw: seen.append(kw["huge_pages"]) or
+                        gemm.GemmRow(p.name, p.layout, p.M, p.K, p.N, threads, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0))
+    for argv, pages in (([], "huge"), (["--pages", "4k"], "4k")):
+        args = build_parser().parse_args(["bench", "gemm", "--model", "dit-s", *argv])
+        assert args.pages == pages
+        r = gemm.bench_gemm(args.model, 1, first_use_tuning=False, huge_pages=args.pages == "huge")
+        assert r["pages"] == pages and set(seen) == {pages == "huge"}
+        seen.clear()

@@ -19,6 +19,7 @@ from ..kernels.gemm.kernel import bf16_skinny_unit, default_kernel_params, get_k
 from ..kernels.gemm.matmul import matmul, tuned_params
 from ..kernels.gemm.params import GemmParams
 from ..kernels.gemm.problem import GemmProblem, dit_problems
+from ..runtime.memory import huge_page_copy
 from ..tune import first_use, registry
 from . import timing
 
@@ -76,20 +77,42 @@ class GemmRow:
     speedup_vs_fp32: float = float("nan")
 
 
+def in_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """t's values in transparent huge pages with t's strides (a contiguous matrix or its
+    transpose): how a training or sampling step's GEMM operands lie (the result pool, weights
+    moved by parameters_to_huge_pages). torch's own allocations get 4 KB pages where THP is in
+    madvise mode, and a GEMM then walks the page table for rows a page apart: measured on an
+    AMX Xeon, 1 thread, DiT-XL/2's token GEMMs 3-14 % slower for autohc and oneDNN alike."""
+    if t.is_contiguous():
+        return huge_page_copy(t)
+    if t.dim() == 2 and t.t().is_contiguous():
+        return huge_page_copy(t.t()).t()
+    raise ValueError("in_huge_pages: a contiguous matrix or the transpose of one")
+
+
 def bench_problem(p: GemmProblem, threads: int, *, repeats: int = 7, params: GemmParams | None = None,
                   peak_per_core: float | None = None, target_seconds: float = 0.25,
-                  with_numpy: bool = True, dtype: str = "fp32", cold: bool = False) -> GemmRow:
+                  with_numpy: bool = True, dtype: str = "fp32", cold: bool = False,
+                  huge_pages: bool = False) -> GemmRow:
     """Time one problem for autohc, torch and numpy by the timing protocol (bench/timing.py);
-    cold: each timed call after cache_evictor's op (untimed)."""
+    cold: each timed call after cache_evictor's op (untimed); huge_pages: every library's
+    operands and results in transparent huge pages (in_huge_pages)."""
     a, b = p.operands()
+    if huge_pages:
+        a, b = in_huge_pages(a), in_huge_pages(b)
     # the layout of the operands in the GEMM sense: result is (a.rows, b.cols)
     M, K = a.shape
     N = b.shape[1]
     out = torch.empty(M, N)
-    an, bn, on = a.numpy(), b.numpy(), np.empty((M, N), np.float32)
+    if huge_pages:
+        out = in_huge_pages(out)
+    on = in_huge_pages(torch.empty(M, N)).numpy() if huge_pages else np.empty((M, N), np.float32)
+    an, bn = a.numpy(), b.numpy()
     tuning_s = 0.0
     bf16 = dtype == "bf16"
     a16, b16 = (a.to(torch.bfloat16), b.to(torch.bfloat16)) if bf16 else (a, b)
+    if huge_pages and bf16:
+        a16, b16 = in_huge_pages(a16), in_huge_pages(b16)
     if params is None:      # what autohc.matmul runs: the registry's config, else the default
         if first_use.enabled() and \
                 registry.lookup("gemm", p.layout, p.K, p.N, p.M, threads, dtype=dtype) is None:
@@ -104,6 +127,8 @@ def bench_problem(p: GemmProblem, threads: int, *, repeats: int = 7, params: Gem
         run_params, config = params, "given"
     get_kernel(run_params)
     out16, c16 = (torch.empty(M, N, dtype=torch.bfloat16) for _ in range(2))
+    if huge_pages:
+        out16, c16 = in_huge_pages(out16), in_huge_pages(c16)
     fns = {
         "autohc": (lambda: matmul(a16, b16, out=c16, params=run_params)) if bf16 else
                   (lambda: matmul(a, b, out=out, params=run_params)),
@@ -151,13 +176,15 @@ def numpy_blas() -> str:
 
 def bench_gemm(model: str = "dit-xl", threads: int = 1, *, repeats: int = 7, progress=None,
                images: int = 8, first_use_tuning: bool = True, dtype: str = "fp32",
-               cold: bool = False) -> dict:
+               cold: bool = False, huge_pages: bool = True) -> dict:
     """All DiT training GEMMs of `model` at `threads`; the JSON object of `autohc bench gemm`.
     With first-use tuning (as install() has it), a problem the registry lacks is tuned first,
     that time reported apart (`tuning_s`), then what matmul runs after it is timed.
     dtype bf16: the bf16 kernels (tuned with `autohc tune --dtype bf16`, else the default) on
     this CPU's bf16 back-end, % of its bf16 peak (the tile peak on AMX, else the dot one).
-    cold: every timed call after an untimed op that evicts the caches (cache_evictor)."""
+    cold: every timed call after an untimed op that evicts the caches (cache_evictor).
+    huge_pages: the operands in huge pages, as a step's are (in_huge_pages); False: torch's
+    allocation (the figures recorded before stop 85)."""
     from .peak import bf16_backend_peak, fma_peak_gflops
     extra = {}
     if dtype == "bf16":
@@ -176,7 +203,8 @@ def bench_gemm(model: str = "dit-xl", threads: int = 1, *, repeats: int = 7, pro
     first_use.enable(first_use_tuning)
     try:
         for p in dit_problems(model, images):
-            rows.append(bench_problem(p, threads, repeats=repeats, peak_per_core=peak, dtype=dtype, cold=cold))
+            rows.append(bench_problem(p, threads, repeats=repeats, peak_per_core=peak, dtype=dtype, cold=cold,
+                                      huge_pages=huge_pages))
             if progress:
                 progress(rows[-1])
     finally:
@@ -186,6 +214,7 @@ def bench_gemm(model: str = "dit-xl", threads: int = 1, *, repeats: int = 7, pro
         "fingerprint": cpu.detect().fingerprint, "peak_gflops_per_core": round(peak, 1),
         "torch_version": torch.__version__, "numpy_version": np.__version__, "numpy_blas": numpy_blas(),
         "caches": f"cold ({COLD_MB} MB op before each call)" if cold else "warm (calls back to back)",
+        "pages": "huge" if huge_pages else "4k",
         "rows": [asdict(r) for r in rows],
         "geomean_speedup_vs_torch": round(geomean(r.speedup_vs_torch for r in rows), 3),
         "geomean_speedup_vs_numpy": round(geomean(r.speedup_vs_numpy for r in rows), 3),

@@ -55,9 +55,10 @@ _AUTOCAST_NAMES = {"stock": "stock fp32", "stock-bf16": "stock autocast",
 
 
 def caches_words(g: dict, lead: str = ", caches ") -> str:
-    """how a `bench gemm --cold` run timed (warm runs and older results: nothing)"""
+    """how a `bench gemm` run timed: cold caches, operands in huge pages (warm runs with torch's
+    pages and older results: nothing)"""
     c = g.get("caches", "")
-    return lead + c if c.startswith("cold") else ""
+    return (lead + c if c.startswith("cold") else "") + (", operands in huge pages" if g.get("pages") == "huge" else "")
 
 
 def summaries(r: dict) -> list[tuple[str, str]]:

@@ -214,6 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cold caches: before every timed call an untimed element-wise op over 64 MB "
                         "on the same threads evicts A, B and C from L1 and L2, as the ops between a "
                         "training step's GEMMs do (default: calls back to back, operands warm)")
+    g.add_argument("--pages", choices=("huge", "4k"), default="huge",
+                   help="huge: every library's operands and results in transparent huge pages, as a "
+                        "step's are (autohc's result pool, weights moved to huge pages); 4k: torch's "
+                        "own allocation, 4 KB pages where THP is in madvise mode, a page-table walk "
+                        "for rows a page apart (default: huge)")
     g.add_argument("--json", action="store_true",
                    help="print JSON (one object per thread count) instead of tables")
     add_save_argument(g)

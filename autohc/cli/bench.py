@@ -137,7 +137,7 @@ def cmd_bench_gemm(args) -> int:
             r = bench_gemm(args.model, threads, repeats=args.repeats, images=args.images,
                            first_use_tuning=not args.no_first_use_tuning,
                            progress=lambda _row, t=task: progress.advance(t), dtype=args.dtype,
-                           cold=args.cold)
+                           cold=args.cold, huge_pages=args.pages == "huge")
             r["wait_policy"] = "contended" if args.contended else "passive"
             results.append(r)
     _save(rec, results, max(args.threads))
