@@ -1,6 +1,6 @@
 """A gated residual and the next LayerNorm + modulate of its result as one op
 (autohc.torch.ops.gated_residual_norm, kernels gres_ln_mod_fwd / _bwd) and DiT's blocks chained
-through it (DiT._chained).
+through it (DiT._chained), every block's adaLN Linear in one op (autocast.modulations).
 
 Stated accuracy: the forward is the two ops' own arithmetic in their order, so out and h equal
 gated_residual then layernorm_modulate bit for bit (fp32 and bf16). The backward equals their
@@ -14,6 +14,7 @@ import torch
 
 import autohc
 import autohc.torch.ops as ops
+from autohc.torch import autocast
 from autohc.dit.model import DiT
 from autohc.torch.ops import FUSED
 
@@ -130,19 +131,27 @@ def test_opcheck():
                                   (torch.randn(2, 3, 8).to(dt), gout, out, y, gate, scale, mean, rstd))
 
 
+def test_modulations_opcheck():
+    c = torch.randn(3, 16)
+    ws, bs = [torch.randn(48, 16) * 0.1, torch.randn(32, 16) * 0.1], [torch.randn(48), torch.randn(32)]
+    torch.library.opcheck(torch.ops.autohc.modulations_fp32w.default, (c, ws, bs))
+
+
 # ---------------------------------------------------------------- DiT's blocks as one chain
 
 def _models(depth=3):
+    """(FUSED, FUSED without modulations, FUSED without either: block by block), same weights."""
     torch.manual_seed(0)
     chained = DiT(input_size=8, patch_size=2, hidden_size=64, depth=depth, num_heads=4, num_classes=10)
     with torch.no_grad():
         for p in chained.parameters():
             if p.requires_grad:
                 p.normal_(0, 0.05)          # no adaLN-Zero zeros: every path carries a signal
-    block_by_block = copy.deepcopy(chained)
+    per_module, block_by_block = copy.deepcopy(chained), copy.deepcopy(chained)
     chained.use_fused_ops(FUSED)
-    block_by_block.use_fused_ops(FUSED._replace(gated_residual_norm=None))
-    return chained, block_by_block
+    per_module.use_fused_ops(FUSED._replace(modulations=None))
+    block_by_block.use_fused_ops(FUSED._replace(gated_residual_norm=None, modulations=None))
+    return chained, per_module, block_by_block
 
 
 def _step(m, x, t, y):
@@ -154,25 +163,46 @@ def _step(m, x, t, y):
 
 @pytest.mark.parametrize("bf16", [False, True])
 def test_dit_chained_equals_block_by_block(bf16, monkeypatch):
-    chained, block_by_block = _models()
+    """The chain (with the adaLN Linears as one op or module by module) against the blocks one
+    by one: the same output; the same gradients, but that c's gradient (the timestep and label
+    embedders') is summed over the blocks in the modulations op's order, within 1e-5."""
+    chained, per_module, block_by_block = _models()
     x, t, y = torch.randn(4, 4, 8, 8), torch.tensor([1, 20, 300, 999]), torch.tensor([0, 3, 9, 5])
-    calls = []
-    real = ops._gres_ln
+    calls, mods = [], []
+    real, real_mods = ops._gres_ln, autocast._modulations
     monkeypatch.setattr(ops, "_gres_ln", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(autocast, "_modulations", lambda *a: mods.append(1) or real_mods(*a))
     with autohc.installed(first_use_tuning=False), torch.autocast("cpu", dtype=BF, enabled=bf16):
         got, g = _step(chained, x, t, y)
-        assert len(calls) == 2 * 3                  # two per block, nothing left to the blocks
+        assert len(calls) == 2 * 3 and len(mods) == int(bf16)   # two per block; one op under autocast
+        mid, gmid = _step(per_module, x, t, y)
         ref, gref = _step(block_by_block, x, t, y)
-    assert len(calls) == 6
-    assert torch.equal(got, ref)
-    assert g.keys() == gref.keys()
+    assert len(calls) == 12 and len(mods) == int(bf16)
+    assert torch.equal(got, ref) and torch.equal(mid, ref)
+    assert g.keys() == gref.keys() == gmid.keys()
     for n in g:
-        tol = 1e-5 * (1 + gref[n].abs().max()) if not bf16 else 0
-        assert (g[n] - gref[n]).abs().max() <= tol, n
+        tol = 1e-5 * (1 + gref[n].abs().max())
+        assert (gmid[n] - gref[n]).abs().max() <= (tol if not bf16 else 0), n
+        exact = bf16 and not n.startswith(("t_embedder", "y_embedder"))
+        assert (g[n] - gref[n]).abs().max() <= (0 if exact else tol), n
+
+
+def test_modulations_outside_autocast_and_with_a_hook_are_the_modules():
+    chained, _, _ = _models(depth=2)
+    adaln = [b.adaLN_modulation for b in chained.blocks]
+    c = torch.randn(3, 64)
+    with torch.no_grad():
+        ref = [m(c) for m in adaln]
+        assert all(torch.equal(a, b) for a, b in zip(autocast.modulations(c, adaln), ref))
+        seen = []
+        adaln[1][1].register_forward_hook(lambda m, i, o: seen.append(1))
+        with autohc.installed(), torch.autocast("cpu", dtype=BF):
+            out = autocast.modulations(c, adaln)
+        assert seen == [1] and [o.dtype for o in out] == [BF, BF]
 
 
 def test_dit_hooks_keep_the_blocks_calls():
-    chained, _ = _models(depth=2)
+    chained, _, _ = _models(depth=2)
     x, t, y = torch.randn(2, 4, 8, 8), torch.tensor([1, 20]), torch.tensor([0, 3])
     assert chained._chain_ops() is FUSED
     seen = []

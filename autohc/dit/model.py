@@ -15,8 +15,9 @@ MLP's fc1 and GELU are one call (one kernel when sampling in bf16), and where it
 `mlp(x, fc1, fc2)` (FUSED has), the whole MLP is (in bf16 training its backward also takes
 GELU's derivative in fc2's input-gradient kernel), and where it has `gated_residual_norm(x, y,
 gate, scale, shift, eps)` (FUSED has), each gated residual and the LayerNorm + modulate after it
-are one op, the blocks run as one chain (DiT._chained); without them, plain torch, the same
-results to float32 rounding.
+are one op, the blocks run as one chain (DiT._chained), and where it also has `modulations(c,
+adaLN_modulation modules)` (FUSED has), every block's adaLN Linear is one op; without them, plain
+torch, the same results to float32 rounding.
 """
 from __future__ import annotations
 
@@ -312,9 +313,13 @@ class DiT(nn.Module):
         after it (the next sub-block's, the next block's or the final layer's) as one op,
         f.gated_residual_norm: the values of DiTBlock.forward and FinalLayer.forward, block by
         block, with the residual stream read once per pair instead of twice. Every block's
-        modulation is taken first: a block's last LayerNorm needs the next block's."""
-        mods = [b.adaLN_modulation(c).chunk(6, dim=1) for b in self.blocks]
-        fin_shift, fin_scale = self.final_layer.adaLN_modulation(c).chunk(2, dim=1)
+        modulation is taken first (a block's last LayerNorm needs the next block's), by
+        f.modulations where f has it (one op for all the adaLN Linears)."""
+        adaln = [b.adaLN_modulation for b in self.blocks] + [self.final_layer.adaLN_modulation]
+        every = getattr(f, "modulations", None)
+        outs = every(c, adaln) if every is not None else [m(c) for m in adaln]
+        mods = [o.chunk(6, dim=1) for o in outs[:-1]]
+        fin_shift, fin_scale = outs[-1].chunk(2, dim=1)
         h = norm_modulate(x, mods[0][0], mods[0][1], f)
         for i, block in enumerate(self.blocks):
             _, _, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods[i]

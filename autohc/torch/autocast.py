@@ -404,3 +404,81 @@ def mlp_fn(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch
 # what install() registers at the AutocastCPU key (nothing where autocast's own kernel, the
 # way back for what it does not serve, cannot be had)
 AUTOCAST_IMPLS = {"linear": autocast_linear} if STOCK_AUTOCAST_LINEAR is not None else {}
+
+
+# ------------------------------- adaLN: every block's modulation Linear on the same SiLU(c)
+
+@torch.library.custom_op("autohc::modulations_fp32w", mutates_args=())
+def _modulations(c: torch.Tensor, ws: list[torch.Tensor], bs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """[bf16(SiLU(c)) · wᵢᵀ + bᵢ], each bf16 (B x Nᵢ): linear_fp32w of every block's adaLN Linear
+    on the conditioning c (fp32, B x D), SiLU taken once."""
+    return _modulations_impl(c, ws, bs)
+
+
+def _modulations_impl(c, ws, bs):
+    s = torch.nn.functional.silu(c).to(torch.bfloat16)
+    return [_linear_impl(s, w, b) for w, b in zip(ws, bs)]
+
+
+@_modulations.register_fake
+def _(c, ws, bs):
+    return [c.new_empty(c.shape[0], w.shape[0], dtype=torch.bfloat16) for w in ws]
+
+
+def _mod_setup(ctx, inputs, output):
+    c, ws, bs = inputs
+    ctx.save_for_backward(c, *ws)
+    ctx.set_materialize_grads(False)
+
+
+def _mod_backward(ctx, dys):
+    """dc = SiLU'(c) Σᵢ dYᵢ Wᵢ, the sum in fp32 (per block, autograd would add the blocks' fp32
+    gradients of c); dWᵢ, dbᵢ as linear_fp32w's backward."""
+    c, *ws = ctx.saved_tensors
+    want_c, want_ws, want_bs = ctx.needs_input_grad      # (a flag per tensor of a list)
+    s = torch.nn.functional.silu(c).to(torch.bfloat16)
+    ds = torch.zeros(c.shape) if want_c else None
+    dws, dbs = [], []
+    for dy, w, want_w, want_b in zip(dys, ws, want_ws, want_bs):
+        if dy is None:
+            dws.append(None)
+            dbs.append(None)
+            continue
+        dx, dw, db = linear_fp32w_backward(dy, s, w, want_c, want_w, want_b)
+        if want_c:
+            ds += dx
+        dws.append(dw if want_w else None)
+        dbs.append(db if want_b else None)
+    dc = None
+    if want_c:
+        sig = torch.sigmoid(c)
+        dc = ds * (sig * (1 + c * (1 - sig)))
+    return dc, dws, dbs
+
+
+_modulations.register_autograd(_mod_backward, setup_context=_mod_setup)
+
+
+def _silu_linear(m: torch.nn.Module) -> bool:
+    """m is nn.Sequential(nn.SiLU(), nn.Linear) as DiT's adaLN_modulation, nothing hooked."""
+    return (type(m) is torch.nn.Sequential and len(m) == 2 and type(m[0]) is torch.nn.SiLU
+            and not (m._forward_hooks or m._forward_pre_hooks or m[0]._forward_hooks
+                     or m[0]._forward_pre_hooks) and _unhooked(m[1]))
+
+
+def modulations(c: torch.Tensor, adaln: list[torch.nn.Module]) -> list[torch.Tensor]:
+    """[m(c) for m in adaln] for DiT's adaLN_modulation modules (SiLU then a Linear), which all
+    read the same c (a FusedOps field): SiLU taken once; under install() and autocast bf16 the
+    Linears in one op, one autograd node whose backward sums c's gradient over the blocks; the
+    same values as module by module (the backward's sum to fp32 rounding order)."""
+    if not all(_silu_linear(m) for m in adaln):
+        return [m(c) for m in adaln]
+    lins = [m[1] for m in adaln]
+    if (torch.is_autocast_enabled("cpu") and served.is_installed() and c.dim() == 2
+            and all(_served(c, lin.weight, lin.bias) and lin.bias is not None for lin in lins)):
+        ws, bs = [lin.weight for lin in lins], [lin.bias for lin in lins]
+        if runs_direct(c, *ws, *bs):
+            return _modulations_impl(c, ws, bs)
+        return list(_modulations(c, ws, bs))
+    s = torch.nn.functional.silu(c)
+    return [lin(s) for lin in lins]

@@ -619,6 +619,8 @@ class FusedOps(NamedTuple):
     mlp: Callable | None = None             # (x, fc1, fc2) -> fc2(GELU(tanh)(fc1(x)))
     # (x, y, gate, scale, shift, eps) -> (gated_residual(x, y, gate), layernorm_modulate of it)
     gated_residual_norm: Callable | None = None
+    # (c, adaLN_modulation modules) -> [m(c) for each]: every block's modulation at once
+    modulations: Callable | None = None
 
 
 def _qkv_attention(qkv: torch.Tensor, heads: int) -> torch.Tensor:
@@ -636,8 +638,13 @@ def _mlp(x: torch.Tensor, fc1: torch.nn.Module, fc2: torch.nn.Module) -> torch.T
     return mlp(x, fc1, fc2)
 
 
+def _modulations(c: torch.Tensor, adaln: list) -> list:
+    from .autocast import modulations
+    return modulations(c, adaln)
+
+
 FUSED = FusedOps(layernorm_modulate, gated_residual, _qkv_attention, _linear_gelu, _mlp,
-                 gated_residual_norm)
+                 gated_residual_norm, _modulations)
 
 
 # ------------------------------------------------- aten CPU kernels for autohc.install()
