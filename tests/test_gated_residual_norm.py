@@ -214,3 +214,7 @@ def test_dit_hooks_keep_the_blocks_calls():
     handle.remove()
     with torch.no_grad():
         assert torch.equal(chained(x, t, y, drop_draws=torch.ones(2)), hooked)
+    handle = chained.final_layer.register_full_backward_hook(lambda m, gi, go: None)
+    assert chained._chain_ops() is None
+    handle.remove()
+    assert chained._chain_ops() is FUSED

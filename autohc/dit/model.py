@@ -300,11 +300,12 @@ class DiT(nn.Module):
         if getattr(f, "gated_residual_norm", None) is None:
             return None
         from torch.nn.modules import module as nn_module
-        if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        if (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks
+                or nn_module._global_backward_hooks or nn_module._global_backward_pre_hooks):
             return None
         heads = [*self.blocks, self.final_layer]
         if any(type(m) not in (DiTBlock, FinalLayer) or m.fused is not f or m._forward_hooks
-               or m._forward_pre_hooks for m in heads):
+               or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks for m in heads):
             return None
         return f
 
