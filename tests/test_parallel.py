@@ -133,3 +133,28 @@ def test_train_cftp_gives_the_losses_of_a_plain_run(tmp_path, capsys):
     assert main(["train", "--model", "DiT-Ti/8", "--data", "digits", "--steps", "1", "--threads", "2",
                  "--out", str(tmp_path / "bad"), "--no-progress", "--cftp", "3"]) == 1
     assert "do not split into 3 equal clusters" in capsys.readouterr().err
+
+
+def test_a_rank_that_dies_without_a_word_fails_the_strategy_at_once():
+    """bench parallel's wait for its ranks (collect): a process gone without a result (killed,
+    a crash in native code) fails the strategy on the next poll, not after the whole timeout."""
+    import queue
+    import time
+    from types import SimpleNamespace
+
+    from autohc.bench.parallel import collect
+    q = queue.Queue()
+    q.put({"rank": 1, "times": [0.1]})
+    procs = [SimpleNamespace(exitcode=-9), SimpleNamespace(exitcode=0)]
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="dp rank 0: its process exited with code -9 without a result"):
+        collect(q, procs, "dp", timeout_s=60, poll_s=0.05)
+    assert time.monotonic() - t0 < 5
+    q.put({"rank": 0, "error": "boom"})
+    with pytest.raises(RuntimeError, match="dp rank 0: boom"):
+        collect(q, [SimpleNamespace(exitcode=None)], "dp", timeout_s=60, poll_s=0.05)
+    with pytest.raises(RuntimeError, match="no result within 0.2 s"):
+        collect(queue.Queue(), [SimpleNamespace(exitcode=None)], "dp", timeout_s=0.2, poll_s=0.05)
+    q.put({"rank": 1, "times": [1]})
+    q.put({"rank": 0, "times": [2]})
+    assert [g["rank"] for g in collect(q, [SimpleNamespace(exitcode=0)] * 2, "dp", poll_s=0.05)] == [1, 0]

@@ -121,6 +121,28 @@ def _worker(strategy: str, model_name: str, batch: int, image_size: int, steps: 
         results.put({"rank": rank, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
 
 
+def collect(results, procs, strategy: str, timeout_s: float = RESULT_TIMEOUT_S, poll_s: float = 1.0) -> list:
+    """Every rank's result from `results`, one per process of `procs` (rank = its index). A rank
+    that reports an error, or whose process dies without a word (a signal, a crash in native
+    code), fails the strategy at once; the whole wait is bounded by timeout_s."""
+    got, deadline = [], time.monotonic() + timeout_s
+    while len(got) < len(procs):
+        try:
+            got.append(results.get(timeout=poll_s))
+        except queue_mod.Empty:
+            reported = {g["rank"] for g in got}
+            for rank, p in enumerate(procs):
+                if rank not in reported and p.exitcode not in (None, 0):
+                    raise RuntimeError(f"{strategy} rank {rank}: its process exited with code {p.exitcode} "
+                                       "without a result") from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{strategy}: no result within {timeout_s:g} s") from None
+            continue
+        if "error" in got[-1]:
+            raise RuntimeError(f"{strategy} rank {got[-1]['rank']}: {got[-1]['error']}")
+    return got
+
+
 def run_strategy(strategy: str, model: str, batch: int, *, image_size: int = 32, steps: int = 6,
                  warmup: int = 2, cores: int | None = None) -> dict:
     """One strategy in fresh processes over `cores` cores (default: this process's CPUs)."""
@@ -138,15 +160,8 @@ def run_strategy(strategy: str, model: str, batch: int, *, image_size: int = 32,
              for r in range(world)]
     for p in procs:
         p.start()
-    got = []
     try:
-        while len(got) < world:
-            try:
-                got.append(results.get(timeout=RESULT_TIMEOUT_S))
-            except queue_mod.Empty:
-                raise RuntimeError(f"{strategy}: no result within {RESULT_TIMEOUT_S} s") from None
-            if "error" in got[-1]:
-                raise RuntimeError(f"{strategy} rank {got[-1]['rank']}: {got[-1]['error']}")
+        got = collect(results, procs, strategy)
     finally:
         for p in procs:
             p.join(timeout=30)
