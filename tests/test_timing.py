@@ -79,14 +79,15 @@ def test_bench_gemm_operands_in_huge_pages(monkeypatch):
         h = gemm.in_huge_pages(t)
         assert torch.equal(h, t) and h.stride() == t.stride() and h.data_ptr() != t.data_ptr()
         assert h.data_ptr() % memory.HUGE == 0 or h.nbytes < memory.HUGE_MIN_BYTES
-    copied = []
-    real = gemm.huge_page_copy
-    monkeypatch.setattr(gemm, "huge_page_copy", lambda t: copied.append(t.shape) or real(t))
+    placed = []                     # copies (the operands) and empties (the results) in huge pages
+    real_copy, real_empty = gemm.huge_page_copy, gemm.huge_page_empty
+    monkeypatch.setattr(gemm, "huge_page_copy", lambda t: placed.append(t.shape) or real_copy(t))
+    monkeypatch.setattr(gemm, "huge_page_empty", lambda *s, **kw: placed.append(s) or real_empty(*s, **kw))
     row = gemm.bench_problem(GemmProblem("t", "TN", 64, 48, 80), 1, repeats=1, dtype="bf16", huge_pages=True)
-    assert row.gflops > 0 and row.torch_gflops > 0 and len(copied) == 8   # a, b, C, numpy's C, a16, b16, 2 bf16 C
-    copied.clear()
+    assert row.gflops > 0 and row.torch_gflops > 0 and len(placed) == 8   # a, b, C, numpy's C, a16, b16, 2 bf16 C
+    placed.clear()
     gemm.bench_problem(GemmProblem("t", "TN", 64, 48, 80), 1, repeats=1)
-    assert not copied
+    assert not placed
     seen = []
     monkeypatch.setattr(gemm, "bench_problem", lambda p, threads, **kw: seen.append(kw["huge_pages"]) or
                         gemm.GemmRow(p.name, p.layout, p.M, p.K, p.N, threads, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0))

@@ -19,7 +19,7 @@ from ..kernels.gemm.kernel import bf16_skinny_unit, default_kernel_params, get_k
 from ..kernels.gemm.matmul import matmul, tuned_params
 from ..kernels.gemm.params import GemmParams
 from ..kernels.gemm.problem import GemmProblem, dit_problems
-from ..runtime.memory import huge_page_copy
+from ..runtime.memory import huge_page_copy, huge_page_empty
 from ..tune import first_use, registry
 from . import timing
 
@@ -98,16 +98,14 @@ def bench_problem(p: GemmProblem, threads: int, *, repeats: int = 7, params: Gem
     cold: each timed call after cache_evictor's op (untimed); huge_pages: every library's
     operands and results in transparent huge pages (in_huge_pages)."""
     a, b = p.operands()
+    empty = huge_page_empty if huge_pages else torch.empty     # (results: where they are written)
     if huge_pages:
         a, b = in_huge_pages(a), in_huge_pages(b)
     # the layout of the operands in the GEMM sense: result is (a.rows, b.cols)
     M, K = a.shape
     N = b.shape[1]
-    out = torch.empty(M, N)
-    if huge_pages:
-        out = in_huge_pages(out)
-    on = in_huge_pages(torch.empty(M, N)).numpy() if huge_pages else np.empty((M, N), np.float32)
-    an, bn = a.numpy(), b.numpy()
+    out = empty(M, N)
+    an, bn, on = a.numpy(), b.numpy(), empty(M, N).numpy()
     tuning_s = 0.0
     bf16 = dtype == "bf16"
     a16, b16 = (a.to(torch.bfloat16), b.to(torch.bfloat16)) if bf16 else (a, b)
@@ -126,9 +124,7 @@ def bench_problem(p: GemmProblem, threads: int, *, repeats: int = 7, params: Gem
     else:
         run_params, config = params, "given"
     get_kernel(run_params)
-    out16, c16 = (torch.empty(M, N, dtype=torch.bfloat16) for _ in range(2))
-    if huge_pages:
-        out16, c16 = in_huge_pages(out16), in_huge_pages(c16)
+    out16, c16 = (empty(M, N, dtype=torch.bfloat16) for _ in range(2))
     fns = {
         "autohc": (lambda: matmul(a16, b16, out=c16, params=run_params)) if bf16 else
                   (lambda: matmul(a, b, out=out, params=run_params)),

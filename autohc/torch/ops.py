@@ -482,7 +482,7 @@ def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torc
 
 # --------------- a gated residual and the next LayerNorm + modulate of its result, fused
 
-def _gres_ln_kernel(x, y, gate, scale, shift, eps: float) -> str | None:
+def _gres_ln_kernel(x, y, gate, scale, shift) -> str | None:
     """The kernel that runs gated_residual_norm on these tensors, or None (the two ops run)."""
     if not (_fast(x) and x.numel() > 0 and y.shape == x.shape and _strided_cpu(y, gate, scale, shift)):
         return None
@@ -502,7 +502,7 @@ def _gres_ln_impl(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, scale: t
     """(out, h, mean, rstd): out = x + gate y (fp32), h = LayerNorm(out) (1 + scale) + shift in
     y's dtype, mean and rstd of out's rows (fp32)."""
     B, T, D = x.shape
-    kernel = _gres_ln_kernel(x, y, gate, scale, shift, eps)
+    kernel = _gres_ln_kernel(x, y, gate, scale, shift)
     if kernel is not None:
         try:
             ffi, fn = kernel_fn(kernel)
@@ -540,7 +540,7 @@ def _gres_ln_bwd(dh: torch.Tensor, gout: torch.Tensor | None, out: torch.Tensor,
     B, T, D = out.shape
     bf16 = y.dtype == torch.bfloat16
     kernel = "gres_ln_mod_bwd_bf16" if bf16 else "gres_ln_mod_bwd"
-    if (_gres_ln_kernel(out, y, gate, scale, scale, 0.0) is not None and dh.shape == out.shape
+    if (_gres_ln_kernel(out, y, gate, scale, scale) is not None and dh.shape == out.shape
             and dh.dtype == y.dtype and _strided_cpu(dh) and (gout is None or _fast(gout, out))
             and all(t.dtype == torch.float32 and t.is_contiguous() for t in (mean, rstd))):
         try:
@@ -555,15 +555,13 @@ def _gres_ln_bwd(dh: torch.Tensor, gout: torch.Tensor | None, out: torch.Tensor,
             return dx, dy, dgate.to(y.dtype), dscale.to(y.dtype), dshift.to(y.dtype)
         except fallback.FAILURES as e:
             fallback.report(e, "gated_residual_norm_backward")
-    # the kernel's formula in torch ops (no autograd here)
-    of, dhf, sf = out.float(), dh.float(), scale.float()
-    xhat = (of - mean.reshape(B, T, 1)) * rstd.reshape(B, T, 1)
-    g = dhf * (1 + sf[:, None, :])
-    dx = rstd.reshape(B, T, 1) * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
+    # the LayerNorm's own backward, then the residual's and the gate's (no autograd here)
+    dx, dscale, dshift = _ln_mod_bwd(dh.float(), out.float(), scale.float(), mean.float(), rstd.float(),
+                                     True, True)
     if gout is not None:
         dx = dx + gout
     return (dx, (dx * gate.float()[:, None, :]).to(y.dtype), (dx * y.float()).sum(1).to(y.dtype),
-            (dhf * xhat).sum(1).to(y.dtype), dhf.sum(1).to(y.dtype))
+            dscale.to(y.dtype), dshift.to(y.dtype))
 
 
 @_gres_ln_bwd.register_fake
@@ -602,7 +600,7 @@ def gated_residual_norm(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, sc
         raise ValueError(f"gated_residual_norm: x, y must be (B, T, D) and gate, scale, shift (B, D); got "
                          f"{tuple(x.shape)}, {tuple(y.shape)}, {tuple(gate.shape)}, {tuple(scale.shape)}, "
                          f"{tuple(shift.shape)}")
-    if _gres_ln_kernel(x, y, gate, scale, shift, eps) is None:
+    if _gres_ln_kernel(x, y, gate, scale, shift) is None:
         out = gated_residual(x, y, gate)
         return out, layernorm_modulate(out, scale, shift, eps)
     fn = _gres_ln_impl if runs_direct(x, y, gate, scale, shift) else _gres_ln
