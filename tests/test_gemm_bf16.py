@@ -322,7 +322,7 @@ def test_params_validation():
         GemmParams(isa="avx512", vl=16, mr=12, nr=32, dtype="bf16", skinny_m=0, a_outer=True, a_direct=True).validate()
     assert GemmParams(isa="avx512bf16", vl=16, mr=12, nr=32, dtype="bf16", a_outer=True, a_direct=True).validate().a_direct
     assert "a_direct" not in GemmParams(**{**amx, "a_outer": True, "a_direct": False}).validate().to_dict()
-    x = GemmParams(**{**default_params("amx", dtype="bf16").to_dict(), "c_tiles": False}).validate()
+    x = GemmParams(**{**default_params("amx", dtype="bf16").to_dict(), "c_tiles": False, "stream_c": False}).validate()
     y = GemmParams(**{**x.to_dict(), "c_tiles": True}).validate()
     assert "c_tiles" not in x.to_dict() and y.key != x.key and GemmParams.from_dict(y.to_dict()) == y
 
@@ -525,6 +525,43 @@ def test_stream_b_k_changes_no_result():
 
 
 @pytest.mark.skipif(not ({"amx", EMULATED_AMX} & set(BF16_UNITS)), reason="needs AMX, real or emulated")
+def test_stream_c_changes_no_result():
+    """stream_c: where K is one panel, a whole fp32 C tile goes out by non-temporal stores
+    (C's rows 64-byte aligned; else the tile store); several K panels, ragged edges, a bf16 C
+    and unaligned rows as before. Bit-identical C to the same kernel without it (beta 0 and 1,
+    NT/NN/TN, 1 and 2 threads, both loop orders), nothing written outside a C that is a column
+    slice of a wider tensor, against float64."""
+    rng = random.Random(61)
+    with backend("amx" if "amx" in BF16_UNITS else EMULATED_AMX):
+        pairs = [tuple(bf16_params("amx", t, kc=128, mc=96, nc=96, a_outer=a_outer, c_tiles=True, stream_c=sc,
+                                   **PACKED_ONLY) for sc in (True, False))
+                 for t, a_outer in ((1, True), (2, True), (2, False))]
+        shapes = (("TN", 64, 128, 96), ("TN", 96, 96, 64 + 5), ("NT", 64 + 7, 64, 96), ("NN", 32, 4, 64),
+                  ("TN", 64, 128 * 2 + 32, 96), ("NT", 71, 300, 45))
+        check_pairs("stream_c", pairs, shapes, rng, lambda m, n, p: True)
+        for new, old in pairs:
+            for layout, m, k, n in shapes:
+                a, b = operands(layout, m, k, n, rng)
+                c0 = torch.randn(m, n)
+                outs = []
+                for q in (new, old):
+                    wide = torch.full((m, n + 16), 7.0)      # rows 64-byte aligned from column 16
+                    out = wide[:, 16:]
+                    out.copy_(c0)
+                    autohc.matmul(a, b, out=out, beta=1.0, params=q, compute="bf16")
+                    assert (wide[:, :16] == 7).all(), f"stream_c {layout} {m}x{k}x{n}: wrote outside C"
+                    outs.append(out)
+                what = f"stream_c t{new.threads} a_outer {new.a_outer} {layout} {m}x{k}x{n} beta 1"
+                assert torch.equal(outs[0], outs[1]), what
+                check_bf16(outs[0], a, b, c0, 1.0, 1.0, what)
+    with pytest.raises(ParamError, match="stream_c"):
+        GemmParams(isa="avx512bf16", vl=16, mr=12, nr=32, dtype="bf16", stream_c=True).validate()
+    with pytest.raises(ParamError, match="stream_c"):
+        bf16_params("amx", 1, c_tiles=False, stream_c=True)
+    assert "stream_c" not in bf16_params("amx", 1).to_dict()
+
+
+@pytest.mark.skipif(not ({"amx", EMULATED_AMX} & set(BF16_UNITS)), reason="needs AMX, real or emulated")
 def test_one_panel_k_takes_k_whole_with_the_panels_results():
     """one_panel_k: where A's tiles come from its rows (NT/NN, bf16, K whole blocks of 32) and
     K is at most one_panel_k, K is one panel past kc (buffers sized for it, a ragged last
@@ -624,7 +661,7 @@ def test_every_bf16_backend_compiles_standalone(name, tmp_path):
                                                               "a_direct": True, "defer_epilogue": True,
                                                               "prefetch_a": 2, "prefetch_next_a": True,
                                                               "own_rows_by_k": True, "stream_b_k": 1024,
-                                                              "one_panel_k": 2304}),
+                                                              "one_panel_k": 2304, "stream_c": True}),
                                                   (1, False, {"prefetch_a": 1, "prefetch_b": 2, "sink_every": 4,
                                                               "k_unroll": 2})]
                                                  if isa == "amx" and not emulated else [])

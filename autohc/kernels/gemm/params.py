@@ -29,13 +29,13 @@ CHOICES: dict[str, tuple] = {
     "prefetch_c": (False, True), "a_outer": (False, True), "own_rows": (False, True),
     "c_tiles": (False, True), "skinny_unit": ("auto", "dot", "fma", "tile"), "a_direct": (False, True),
     "defer_epilogue": (False, True), "prefetch_next_a": (False, True), "own_rows_by_k": (False, True),
-    "epilogue": ("none", "gelu_tanh", "gelu_tanh_bwd"),
+    "epilogue": ("none", "gelu_tanh", "gelu_tanh_bwd"), "stream_c": (False, True),
 }
 # fields that to_dict leaves out at these values (each added later: fp32 sets before bf16, ...)
 OMITTED_AT = {"dtype": "fp32", "c_tiles": False, "skinny_unit": "auto", "kc_inner": 0, "sink_every": 0,
               "a_direct": False, "defer_epilogue": False, "prefetch_next_a": False,
               "own_rows_by_k": False, "stream_b_k": 0, "one_panel_k": 0, "own_rows_b_kib": 0,
-              "a_direct_n": 0, "epilogue": "none"}
+              "a_direct_n": 0, "epilogue": "none", "stream_c": False}
 # names of earlier releases, still read from registries written by them
 LEGACY_NAMES = {"clusters": "jc_ways", "tm": "ic_ways", "tn": "jr_ways"}
 RETIRED = {"pin", "spin_us"}       # now the worker pool's (runtime/pool.py), not a kernel's
@@ -136,6 +136,11 @@ class GemmParams:
     # GELU's derivative at the pre-activation read from a bf16 tensor laid out as C (fc2's input
     # gradient and GELU's backward as one kernel). An fp32 C is written as it is.
     epilogue: str = "none"
+    # amx with c_tiles only: where K is one panel, a whole fp32 C tile goes from the accumulators
+    # through a stack copy to C by non-temporal stores (no read for ownership of C's lines,
+    # which a training step's weight gradients, read only by the optimizer, never need)
+    # (templates/gemm/ukernel_amx.c.j2; docs/history.md, stop 86)
+    stream_c: bool = False
 
     @property
     def threads(self) -> int:
@@ -184,6 +189,9 @@ class GemmParams:
                 raise ParamError(f"kc={self.kc}: AMX takes K in blocks of 32; must be a multiple of 32")
         elif self.c_tiles:
             raise ParamError(f"c_tiles: C through tile registers is for isa amx, not {self.isa}")
+        if self.stream_c and not (self.isa == "amx" and self.c_tiles):
+            raise ParamError(f"stream_c: non-temporal stores of whole C tiles are the amx back-end's, "
+                             f"with c_tiles; not {self.isa}'s{'' if self.c_tiles else ' without c_tiles'}")
         if self.kc_inner:
             if self.isa != "amx" or not self.a_outer:
                 raise ParamError(f"kc_inner={self.kc_inner}: K steps inside a panel are the amx "
