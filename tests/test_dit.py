@@ -500,6 +500,8 @@ def test_profile_classes_count_a_custom_ops_forward_in_its_autograd_node():
     assert op_class("GeneratedBackwardFor_autohc_gated_residual_default") == "elementwise"
     assert op_class("GeneratedBackwardFor_autohc_attention_qkv_default") == "attention"
     assert op_class("GeneratedBackwardFor_autohc_gated_residual_defaultBackward") is None
+    # every block's adaLN Linear in one op: skinny GEMMs (the SiLU once before them)
+    assert op_class("GeneratedBackwardFor_autohc_modulations_fp32w_default") == "gemm"
     x, y = torch.randn(2, 64, 96, requires_grad=True), torch.randn(2, 64, 96)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         ops.gated_residual(x, y, torch.randn(2, 96)).sum().backward()

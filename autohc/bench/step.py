@@ -144,7 +144,9 @@ GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
             "autohc::linear_fp32w", "autohc::linear_fp32w_backward",
             "autohc::linear_gelu_fp32w", "autohc::linear_gelu_fp32w_train",    # (fc1, GELU in its store)
             # (fc1 + GELU and fc2; fc2's input gradient with GELU's backward in its store, and dW)
-            "autohc::mlp_fp32w_train", "autohc::gelu_linear_fp32w_backward"}
+            "autohc::mlp_fp32w_train", "autohc::gelu_linear_fp32w_backward",
+            # (every block's adaLN Linear: SiLU once, then one skinny GEMM per block)
+            "autohc::modulations_fp32w"}
 COPY_OPS = {"aten::copy_", "aten::clone", "aten::cat", "aten::contiguous", "aten::_to_copy",
             "aten::to", "aten::stack", "aten::index_select"}
 FREE_OPS = {"aten::view", "aten::reshape", "aten::permute", "aten::transpose", "aten::t",
