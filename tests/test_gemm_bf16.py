@@ -526,9 +526,9 @@ def test_stream_b_k_changes_no_result():
 
 @pytest.mark.skipif(not ({"amx", EMULATED_AMX} & set(BF16_UNITS)), reason="needs AMX, real or emulated")
 def test_stream_c_changes_no_result():
-    """stream_c: where K is one panel, a whole fp32 C tile goes out by non-temporal stores
-    (C's rows 64-byte aligned; else the tile store); several K panels, ragged edges, a bf16 C
-    and unaligned rows as before. Bit-identical C to the same kernel without it (beta 0 and 1,
+    """stream_c: where K is one panel and beta is 0, a whole fp32 C tile goes out by
+    non-temporal stores (C's rows 64-byte aligned; else the tile store); several K panels,
+    beta 1, ragged edges, a bf16 C and unaligned rows as before. Bit-identical C to the same kernel without it (beta 0 and 1,
     NT/NN/TN, 1 and 2 threads, both loop orders), nothing written outside a C that is a column
     slice of a wider tensor, against float64."""
     rng = random.Random(61)

@@ -136,7 +136,7 @@ class GemmParams:
     # GELU's derivative at the pre-activation read from a bf16 tensor laid out as C (fc2's input
     # gradient and GELU's backward as one kernel). An fp32 C is written as it is.
     epilogue: str = "none"
-    # amx with c_tiles only: where K is one panel, a whole fp32 C tile goes from the accumulators
+    # amx with c_tiles only: where K is one panel and beta 0, a whole fp32 C tile goes from the accumulators
     # through a stack copy to C by non-temporal stores (no read for ownership of C's lines,
     # which a training step's weight gradients, read only by the optimizer, never need)
     # (templates/gemm/ukernel_amx.c.j2; docs/history.md, stop 86)
