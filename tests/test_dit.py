@@ -232,12 +232,12 @@ def cfg(out, steps, **kw):
 
 def test_a_few_training_steps_on_digits_learn(tmp_path):
     with autohc.installed():
-        tr = Trainer(cfg(tmp_path, 30, ckpt_every=10, model="DiT-Ti/2", batch=32))
+        tr = Trainer(cfg(tmp_path, 20, ckpt_every=5, model="DiT-Ti/2", batch=32))
         r = tr.run(progress=False)
-    assert r["steps"] == 30 and len(tr.losses) == 30
-    assert np.mean(tr.losses[-5:]) < 0.6 * np.mean(tr.losses[:5])      # it learns
-    assert [s for s, _ in checkpoint.listing(tmp_path)] == [20, 30]     # keep=2
-    assert (tmp_path / "losses.csv").read_text().count("\n") == 31
+    assert r["steps"] == 20 and len(tr.losses) == 20
+    assert np.mean(tr.losses[-5:]) < 0.6 * np.mean(tr.losses[:5])      # it learns (0.3 here)
+    assert [s for s, _ in checkpoint.listing(tmp_path)] == [15, 20]     # keep=2 of 4
+    assert (tmp_path / "losses.csv").read_text().count("\n") == 21
 
 
 @pytest.mark.parametrize("use_autohc,automem", [(True, None), (False, None), (True, "file")])
@@ -304,7 +304,7 @@ def test_kill_9_never_leaves_an_unloadable_checkpoint(tmp_path, automem):
     rng = np.random.default_rng(0)
     out = tmp_path / "run"
     env = {**os.environ, "AUTOHC_AUTOMEM_MIN_KB": "1"}   # offload every saved tensor of 1 KiB+
-    for i in range(4):
+    for i in range(3):                      # each round resumes what the last one saved
         before = max((s for s, _ in checkpoint.listing(out)), default=0)
         p = subprocess.Popen([sys.executable, str(script), str(out), automem], stderr=subprocess.PIPE, env=env)
         deadline = time.time() + 60         # wait until this run (resumed) has saved a step
@@ -318,7 +318,7 @@ def test_kill_9_never_leaves_an_unloadable_checkpoint(tmp_path, automem):
         for _, ck in checkpoint.listing(out):           # every complete name loads
             assert checkpoint.load(ck)["format"] == "autohc-dit-1"
     path, state = checkpoint.latest(out)
-    assert state["step"] >= 4 and len(state["losses"]) == state["step"]   # 4 runs, each resumed and saved
+    assert state["step"] >= 3 and len(state["losses"]) == state["step"]   # 3 runs, each resumed and saved
 
 
 # ------------------------------------------------------------------ sampling, CLI, eval

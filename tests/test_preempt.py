@@ -20,10 +20,10 @@ from autohc.runtime import preempt
 # launches take torchrun's default port: with the other launches on one xdist worker
 pytestmark = pytest.mark.xdist_group("net")
 
-STEPS = 60
+STEPS, CKPT = 30, 10      # a stop lands after the checkpoint of step CKPT and before step STEPS
 BASE = ["-m", "autohc.cli", "train", "--model", "DiT-Ti/8", "--data", "digits", "--batch", "16",
         "--threads", "1", "--no-progress", "--samples-per-class", "0", "--no-first-use-tuning"]
-TRAIN = [*BASE, "--steps", str(STEPS), "--ckpt-every", "20"]
+TRAIN = [*BASE, "--steps", str(STEPS), "--ckpt-every", str(CKPT)]
 
 
 def _env(**extra):
@@ -62,7 +62,7 @@ def _same_weights(a, b):
     assert a["losses"] == b["losses"]
 
 
-def _start_then(cmd, out, env=None, after_step=20, extra=()):
+def _start_then(cmd, out, env=None, after_step=CKPT, extra=()):
     """Start a training run (its own session, as a batch job's step) and return it once it
     has written the checkpoint of `after_step`: from then on it is mid-run."""
     p = subprocess.Popen([*cmd, *TRAIN, *extra, "--out", str(out)], env=env or _env(), stdout=subprocess.PIPE,
@@ -97,9 +97,9 @@ def _stopped_at(stderr: str, world: int) -> int:
 def _check_stop(out, stderr, world):
     """One checkpoint written at the stop step, after the last periodic one."""
     step = _stopped_at(stderr, world)
-    assert 20 < step < STEPS
+    assert CKPT < step < STEPS
     steps = [s for s, _ in checkpoint.listing(out)]
-    assert steps[-1] == step and [s for s in steps if s > 20] == [step], steps
+    assert steps[-1] == step and [s for s in steps if s > CKPT] == [step], steps
     assert checkpoint.load(checkpoint.path_for(out, step))["step"] == step
     assert f"stopped after writing {checkpoint.path_for(out, step)}" in stderr
     assert not list(out.glob(".ckpt-*"))
@@ -272,20 +272,20 @@ def _file_size_limit(limit):
 
 def test_a_checkpoint_that_cannot_be_written_stops_the_run_and_keeps_the_previous(tmp_path):
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, *BASE, "--steps", "20", "--ckpt-every", "20", "--out", str(out)],
+    r = subprocess.run([sys.executable, *BASE, "--steps", str(CKPT), "--ckpt-every", str(CKPT), "--out", str(out)],
                        env=_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    size = checkpoint.path_for(out, 20).stat().st_size
+    size = checkpoint.path_for(out, CKPT).stat().st_size
     # the next checkpoint may not exceed half of one (the losses.csv and logs stay far below)
     r = subprocess.run([sys.executable, *TRAIN, "--out", str(out)], env=_env(), capture_output=True,
                        text=True, timeout=600, preexec_fn=_file_size_limit(size // 2))
     assert r.returncode == 2, r.stderr[-3000:]
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"autohc: cannot write checkpoint {checkpoint.path_for(out, 40)}: File too large "
+    assert last.startswith(f"autohc: cannot write checkpoint {checkpoint.path_for(out, 2 * CKPT)}: File too large "
                            "(needs about "), last
     assert "free there); the previous checkpoint" in last and "Traceback" not in r.stderr
-    assert [s for s, _ in checkpoint.listing(out)] == [20]
-    assert checkpoint.load(checkpoint.path_for(out, 20))["step"] == 20
+    assert [s for s, _ in checkpoint.listing(out)] == [CKPT]
+    assert checkpoint.load(checkpoint.path_for(out, CKPT))["step"] == CKPT
     assert not list(out.glob(".ckpt-*"))            # no partial file
 
 
