@@ -25,7 +25,7 @@ from ...hw import cpu
 from ...runtime import cftp
 from ...tune import registry
 from .family import m_bucket
-from .kernel import KernelError, default_kernel_params, get_kernel
+from .kernel import KernelError, default_kernel_params, get_kernel, tiles_emulated
 from ..isa import BF16_ISAS
 from .params import MAX_THREADS, GemmParams
 
@@ -344,7 +344,42 @@ def _validated(params: GemmParams) -> GemmParams:
     return params
 
 
+class _RouteInto:
+    """gemm_into's prepared call for one problem (prepared_gemm_into's bound kernel) and the
+    byte spans of A, B and C from their first elements, to refuse a call whose C overlaps."""
+    __slots__ = ("run", "spans")
+
+    def __init__(self, run, spans):
+        self.run, self.spans = run, spans
+
+
 def gemm_into(a, b, out, alpha: float, beta: float, threads: int, bias=None, dtype: str = "fp32"):
+    """gemm_into_whole, by a prepared route where a call like this one made one (as
+    gemm_bf16_into)."""
+    routes = _routes_now()
+    key = ("into", a.shape, a.stride(), a.dtype, b.shape, b.stride(), b.dtype, out.shape, out.stride(),
+           out.dtype, alpha, beta, threads, None if bias is None else (bias.shape, bias.stride(), bias.dtype),
+           dtype)
+    route = routes.get(key)
+    if route is not None:
+        ap, bp, cp = a.data_ptr(), b.data_ptr(), out.data_ptr()
+        (a0, a1), (b0, b1), (c0, c1) = route.spans
+        if not ((ap + a0 < cp + c1 and cp + c0 < ap + a1) or (bp + b0 < cp + c1 and cp + c0 < bp + b1)):
+            route.run(ap, bp, cp, 0 if bias is None or beta == 0.0 else bias.data_ptr())
+            route_stats["hits"] += 1
+            return out
+    gemm_into_whole(a, b, out, alpha, beta, threads, bias, dtype)
+    if route is None:
+        run = prepared_gemm_into(a, b, out, alpha, beta, threads, bias, dtype)
+        if run is not None:
+            if len(routes) >= MAX_ROUTES:
+                routes.clear()
+            routes[key] = _RouteInto(run, tuple(byte_offsets(tuple(t.shape), tuple(t.stride()), t.element_size())
+                                                for t in (a, b, out)))
+    return out
+
+
+def gemm_into_whole(a, b, out, alpha: float, beta: float, threads: int, bias=None, dtype: str = "fp32"):
     """out := alpha * a @ b + beta * out for float32 CPU tensors already checked by the caller
     (the torch override); the registry's configuration or the default one. With `bias` (a
     float32 tensor of out's row shape, any stride, not overlapping out): out := alpha * a @ b
@@ -396,8 +431,89 @@ def bmm_into(a, b, out, alpha: float, beta: float, threads: int):
     return out
 
 
+class _Route16:
+    """gemm_bf16_into's decisions for one problem (shapes, strides, dtypes, scalars, epilogue):
+    the kernel and its arguments but the addresses, taken by the calls like the one that made
+    it (the same result: the same kernel on the same arguments). Where a call's C overlaps A
+    or B, it takes the whole path (which reads a copy)."""
+    __slots__ = ("aten", "kernel", "args", "ws", "spans", "act", "bias_f32")
+
+    def __init__(self, aten, kernel, args, ws, spans, act, bias_f32):
+        self.aten, self.kernel, self.args, self.ws = aten, kernel, args, ws
+        self.spans, self.act, self.bias_f32 = spans, act, bias_f32
+
+    def run(self, a, b, out, bias, packed_b, pre) -> bool:
+        """True: done; False: this call overlaps (the caller takes the whole path)."""
+        if self.aten:
+            raise AtenFaster("a prepared problem ATen runs faster")
+        ap, bp, cp = a.data_ptr(), b.data_ptr(), out.data_ptr()
+        (a0, a1), (b0, b1), (c0, c1) = self.spans
+        if (ap + a0 < cp + c1 and cp + c0 < ap + a1) or (bp + b0 < cp + c1 and cp + c0 < bp + b1):
+            return False
+        if bias is not None and not self.bias_f32:
+            bias = bias.to(torch.float32).contiguous()
+        k = self.kernel
+        M, N, K, alpha, rsa, csa, rsb, csb, beta, ldc, in_f32 = self.args
+        ws = _workspace(self.ws).data_ptr() if self.ws else None
+        bpk = packed_b(k) if packed_b is not None and k.reads_packed_b else None
+        bias_ptr = None if bias is None else bias.data_ptr()
+        if self.act:
+            k.run_bf16c_act(M, N, K, alpha, ap, rsa, csa, bp, rsb, csb, None if bpk is None else bpk.data_ptr(),
+                            beta, bias_ptr, ws, cp, ldc, 0 if pre is None else (pre.data_ptr() - cp) // 2, in_f32)
+        elif bpk is not None:
+            k.run_bf16c_packed(M, N, K, alpha, ap, rsa, csa, bp, rsb, csb, bpk.data_ptr(), beta, bias_ptr, ws,
+                               cp, ldc, in_f32)
+        else:
+            k.run_bf16c(M, N, K, alpha, ap, rsa, csa, bp, rsb, csb, beta, bias_ptr, ws, cp, ldc, in_f32)
+        return True
+
+
+MAX_ROUTES = 4096                     # (shapes that keep changing: the table starts again)
+_routes: dict = {"stamp": None, "routes": {}}
+route_stats = {"hits": 0}               # calls a route ran (tests)
+
+
+def _route16_key(a, b, out, alpha, threads, bias, beta, packed_b, epilogue, pre) -> tuple:
+    return (a.shape, a.stride(), a.dtype, b.shape, b.stride(), b.dtype, out.shape, out.stride(), out.dtype,
+            alpha, threads, None if bias is None else (bias.shape, bias.stride(), bias.dtype), beta,
+            packed_b is not None, epilogue, None if pre is None else (pre.shape, pre.stride(), pre.dtype))
+
+
+def _routes_now() -> dict:
+    """The routes made under what holds now (the choices' stamp, CFTP's clusters, AMX tile
+    emulation); a change of any empties the table."""
+    stamp = (*choices_stamp(), cftp.clusters(), tiles_emulated())
+    held = _routes["stamp"]
+    if held is None or held[0] is not stamp[0] or held[1:] != stamp[1:]:
+        _routes["stamp"], _routes["routes"] = stamp, {}
+    return _routes["routes"]
+
+
 def gemm_bf16_into(a, b, out, alpha: float, threads: int, bias=None, beta: float = 1.0,
                    packed_b=None, epilogue: str = "none", pre=None) -> bool:
+    """gemm_bf16_into_whole, by a prepared route where a call like this one made one (one
+    lookup instead of the choice, the checks and the kernel's lookup: a training step makes
+    hundreds of these calls, each after a kernel has pushed the interpreter's data out of the
+    caches)."""
+    routes = _routes_now()
+    key = _route16_key(a, b, out, alpha, threads, bias, beta, packed_b, epilogue, pre)
+    route = routes.get(key)
+    if route is not None and route.run(a, b, out, bias, packed_b, pre):
+        route_stats["hits"] += 1
+        return True
+    made = []
+    try:
+        return gemm_bf16_into_whole(a, b, out, alpha, threads, bias, beta, packed_b, epilogue, pre, made)
+    finally:        # (a route also where the kernel or ATen's win raised: the next call does as this one)
+        if made and route is None:
+            made[0].bias_f32 = bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
+            if len(routes) >= MAX_ROUTES:
+                routes.clear()
+            routes[key] = made[0]
+
+
+def gemm_bf16_into_whole(a, b, out, alpha: float, threads: int, bias=None, beta: float = 1.0,
+                         packed_b=None, epilogue: str = "none", pre=None, made=None) -> bool:
     """out := bf16(alpha * a @ b [+ beta * bias in every row]) for bfloat16 (or float32) CPU tensors
     a, b checked by the caller (the torch override), out bfloat16 (M, N); bias: a float32 or
     bfloat16 tensor of out's row shape. Written by the bf16 kernel itself (its last K panel
@@ -415,7 +531,13 @@ def gemm_bf16_into(a, b, out, alpha: float, threads: int, bias=None, beta: float
     kernel."""
     A, B = operand_raw(a), operand_raw(b)
     # (an ATen win raced on the plain product does not hold with an epilogue: ATen would add its pass)
-    params = _override_params(A, B, threads, "bf16", aten_wins=epilogue == "none")
+    try:
+        params = _override_params(A, B, threads, "bf16", aten_wins=epilogue == "none")
+    except AtenFaster:
+        if made is not None and _settled(A, B, threads, "bf16"):
+            made.append(_Route16(True, None, None, 0, None, False, False))
+        raise
+    settled = made is not None and _settled(A, B, threads, "bf16")
     if epilogue != "none":
         if params.isa not in BF16_ISAS:
             raise KernelError(f"epilogue {epilogue}: no bf16 store on the {params.isa} back-end")
@@ -430,9 +552,17 @@ def gemm_bf16_into(a, b, out, alpha: float, threads: int, bias=None, beta: float
                 or pre.dtype != torch.bfloat16:
             raise KernelError("pre: an epilogue's bf16 pre-activation, laid out as out")
         hoff = (pre.data_ptr() - out.data_ptr()) // 2
-    if not _run_bf16c("torch", a, b, A, B, operand_raw(out), alpha, threads, params, bias, beta, packed_b, hoff):
+    if not _run_bf16c("torch", a, b, A, B, operand_raw(out), alpha, threads, params, bias, beta, packed_b, hoff,
+                      made if settled else None):
         raise KernelError("this CPU's bf16 back-end has no bf16 store")
     return True
+
+
+def _settled(A: "_Operand", B: "_Operand", threads: int, dtype: str) -> bool:
+    """Whether the problem's choice is settled (kept until the registry or the hook changes;
+    not while first-use tuning is still racing it): only then may a route remember it."""
+    key = _choice_key(A.shape[0], A.shape[1], B.shape[1], A.strides, B.strides, threads, dtype, False)
+    return key in _choices["params"]
 
 
 _ws = threading.local()
@@ -448,7 +578,7 @@ def _workspace(nfloats: int):
 
 
 def _run_bf16c(kind, a, b, A, B, C, alpha, threads, params, bias=None, beta=1.0, packed_b=None,
-               hoff: int = 0) -> bool:
+               hoff: int = 0, made=None) -> bool:
     """C (bfloat16) := alpha * A @ B (+ bias) on the kernel's own bf16 store; False where it
     has none (fp32 back-ends, a C without unit column stride)."""
     M, K = A.shape
@@ -458,15 +588,22 @@ def _run_bf16c(kind, a, b, A, B, C, alpha, threads, params, bias=None, beta=1.0,
     ldc = C.strides[0] if M > 1 else max(N, 1)
     if ldc < N:
         return False
+    A0, B0 = A, B
     A, B = _apart(kind, a, b, A, B, C)
     if params is None:
         params = tuned_params(M, K, N, A.strides, B.strides, threads, "bf16")
     kernel = get_kernel(params)
     if not kernel.writes_bf16:
         return False
-    ws = _workspace((M - 1) * ldc + N).data_ptr() if kernel.needs_workspace(M, K, alpha) else None
+    nws = (M - 1) * ldc + N if kernel.needs_workspace(M, K, alpha) else 0
+    ws = _workspace(nws).data_ptr() if nws else None
     bpk = packed_b(kernel) if packed_b is not None and kernel.reads_packed_b else None
     bias_ptr, in_f32 = None if bias is None else bias.data_ptr(), int(A.f32) | int(B.f32) << 1
+    if made is not None and A is A0 and B is B0 and kernel.runnable:
+        spans = tuple(byte_offsets(X.shape, X.strides, X.itemsize) for X in (A, B, C))
+        made.append(_Route16(False, kernel, (M, N, K, alpha, A.strides[0], A.strides[1], B.strides[0],
+                                             B.strides[1], beta, ldc, in_f32), nws, spans,
+                             params.epilogue != "none", False))
     if params.epilogue != "none":       # (hoff: the pre-activation's offset from C, 0: none)
         kernel.run_bf16c_act(M, N, K, alpha, A.ptr, A.strides[0], A.strides[1], B.ptr, B.strides[0],
                              B.strides[1], None if bpk is None else bpk.data_ptr(), beta, bias_ptr, ws,
