@@ -464,6 +464,12 @@ def test_bench_step_stock_vs_autohc():
         assert rate["gemm"] > 0 and rate["attention"] > 0      # flops over their own time
     assert r["speedup_vs_stock"] > 0 and r["max_loss_rel_diff"] < 1e-3
     assert len(r["losses"]["autohc"]) == 3
+    # autohc's step against the time inside its kernels' teams (stock has no teams)
+    k = r["kernel_teams"]
+    assert set(k) == {"autohc"} and k["autohc"]["outside_s"] >= 0
+    assert k["autohc"]["in_teams_s"] <= r["step_s"]["autohc"] * 1.05
+    if torch.get_num_threads() > 1:             # (one thread runs every kernel without a team)
+        assert k["autohc"]["jobs_per_step"] > 0 and k["autohc"]["in_teams_s"] > 0
     # GEMMs and attention of DiT-Ti/8 at 16 px: 4 tokens; the count must at least hold the
     # block GEMMs: 12 hidden^2 multiply-adds per token (qkv, proj, fc1, fc2), three passes
     # (forward, dX, dW) of 2 flops each

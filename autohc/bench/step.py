@@ -34,7 +34,7 @@ import torch
 from ..dit import precision
 from ..dit.diffusion import GaussianDiffusion
 from ..hw import cpu
-from ..runtime import memory
+from ..runtime import memory, omp
 from ..dit.model import config
 from ..dit.train import (autohc_ops, build_model, ema_decay, ema_pairs, ema_update, make_optimizer,
                          peak_rss_gb)
@@ -103,6 +103,7 @@ class _Mode:
         self.batch, self.size = batch, image_size
         self.params = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         self.times, self.losses = [], []
+        self.teams = []         # autohc's modes: (team jobs, seconds in them) of each step
 
     def step(self, finish_tuning: bool = True) -> None:
         torch.set_rng_state(self.rng)
@@ -110,6 +111,7 @@ class _Mode:
         x, t, y, noise = synthetic_batch(g, self.batch, self.size)
         ctx = override.installed(**self.install_kw) if self.on_autohc else contextlib.nullcontext()
         with ctx:
+            jobs0, team0 = omp.team_time()
             t0 = time.perf_counter()
             with precision.autocast(self.precision):
                 loss = self.diffusion.training_loss(self.forward, x, t, y, noise)
@@ -123,6 +125,9 @@ class _Mode:
                 with torch.profiler.record_function(EMA_EVENT):
                     ema_update(self.ema, self.model, EMA_DECAY, len(self.losses))
             self.times.append(time.perf_counter() - t0)
+            if self.on_autohc:
+                jobs1, team1 = omp.team_time()
+                self.teams.append((jobs1 - jobs0, team1 - team0))
             if finish_tuning:
                 self.finish_tuning()
         self.losses.append(loss.item())
@@ -300,6 +305,13 @@ def bench_step(model: str, batch: int, *, image_size: int = 32, steps: int = 10,
             override.install()
 
 
+def _teams_summary(teams: list, times: list) -> dict:
+    """Medians over the timed steps: team jobs, seconds inside them and outside them."""
+    return {"jobs_per_step": statistics.median(j for j, _ in teams),
+            "in_teams_s": statistics.median(s for _, s in teams),
+            "outside_s": statistics.median(t - s for (_, s), t in zip(teams, times))}
+
+
 def _probe_peak() -> float:
     """The FMA peak of the threads now: one core's probe, taken afresh, times the threads. A
     shared machine's clock moves with its host's load (a Zen 5 here probed 231-272 GFLOP/s per
@@ -392,7 +404,11 @@ def _bench(model, batch, image_size, steps, warmup, modes, say, install_kw, prof
            "bf16_speedups": {f"{a} vs {b}": med[b] / med[a]
                              for a in ("autohc-bf16", "autohc-bf16+compile")
                              for b in ("stock-bf16", "compiled-bf16", "stock") if {a, b} <= med.keys()},
-           "step_times": {r.name: r.times for r in runs}}
+           "step_times": {r.name: r.times for r in runs},
+           # autohc's modes: the time inside the kernels' teams against the step; the rest is the
+           # interpreter, torch's dispatch and autograd, ATen's ops and one-thread calls
+           "kernel_teams": {r.name: _teams_summary(r.teams[warmup:], r.times[warmup:])
+                            for r in runs if r.teams[warmup:]}}
     if profile:
         # the GEMMs' and attention's own rate inside the profiled step: their flops over the
         # self time of their ops (a regression shows in the class it is in)

@@ -740,6 +740,10 @@ def cmd_bench_step(args) -> int:
               "compute (flops / the unit's peak): "
               + ", ".join(f"{m} {f['compute_s'][m]:.3f} s ({r['step_s'][m] / max(f['compute_s'][m], f['memory_s']):.1f}x "
                           "the higher floor)" for m in modes))
+    for m, k in (r.get("kernel_teams") or {}).items():
+        print(f"  {m}: {k['jobs_per_step']:.0f} kernel team jobs a step, {k['in_teams_s']:.3f} s in them, "
+              f"{k['outside_s']:.3f} s ({100 * k['outside_s'] / r['step_s'][m]:.0f} %) outside them (the "
+              "interpreter, torch's dispatch and autograd, ATen's ops, one-thread calls)")
     if r.get("profile"):
         classes = list(next(iter(r["profile"].values()))["share"])
         print(f"  share of a profiled step: {'mode':15s}" + "".join(f"{c:>12s}" for c in classes))

@@ -93,6 +93,17 @@ def team_run_address(fallback_address: int) -> int:
     return int(lib.ffi.cast("uintptr_t", lib.ffi.addressof(lib.lib, "autohc_omp_run")))
 
 
+def team_time() -> tuple[int, float]:
+    """(whole-team jobs run on torch's OpenMP threads so far, their wall time in seconds): the
+    time a step spent inside the kernels' teams (0, 0.0 where the runner was never built)."""
+    if not _team:
+        return 0, 0.0
+    lib = _team[0]
+    out = lib.ffi.new("uint64_t[2]")
+    lib.lib.autohc_omp_team_time(out)
+    return int(out[0]), out[1] / 1e9
+
+
 def team_fallbacks() -> int:
     """Jobs the OpenMP runner handed to the pool (0 where it was never built)."""
     return int(_team[0].lib.autohc_omp_fallbacks()) if _team else 0
