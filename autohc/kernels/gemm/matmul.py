@@ -180,6 +180,13 @@ def byte_offsets(shape, strides, itemsize: int) -> tuple[int, int]:
     return itemsize * lo, itemsize * (hi + 1)
 
 
+def _disjoint(spans, ap: int, bp: int, cp: int) -> bool:
+    """Whether C at address cp shares no byte with A at ap nor B at bp, spans being the three's
+    byte_offsets (a prepared route's check, per call, without building operands)."""
+    (a0, a1), (b0, b1), (c0, c1) = spans
+    return not ((ap + a0 < cp + c1 and cp + c0 < ap + a1) or (bp + b0 < cp + c1 and cp + c0 < bp + b1))
+
+
 class _Operand:
     """A 2-D float32 (or bfloat16) operand seen as (address, shape, element strides)."""
     __slots__ = ("obj", "ptr", "shape", "strides", "itemsize", "f32")
@@ -363,8 +370,7 @@ def gemm_into(a, b, out, alpha: float, beta: float, threads: int, bias=None, dty
     route = routes.get(key)
     if route is not None:
         ap, bp, cp = a.data_ptr(), b.data_ptr(), out.data_ptr()
-        (a0, a1), (b0, b1), (c0, c1) = route.spans
-        if not ((ap + a0 < cp + c1 and cp + c0 < ap + a1) or (bp + b0 < cp + c1 and cp + c0 < bp + b1)):
+        if _disjoint(route.spans, ap, bp, cp):
             route.run(ap, bp, cp, 0 if bias is None or beta == 0.0 else bias.data_ptr())
             route_stats["hits"] += 1
             return out
@@ -447,8 +453,7 @@ class _Route16:
         if self.aten:
             raise AtenFaster("a prepared problem ATen runs faster")
         ap, bp, cp = a.data_ptr(), b.data_ptr(), out.data_ptr()
-        (a0, a1), (b0, b1), (c0, c1) = self.spans
-        if (ap + a0 < cp + c1 and cp + c0 < ap + a1) or (bp + b0 < cp + c1 and cp + c0 < bp + b1):
+        if not _disjoint(self.spans, ap, bp, cp):
             return False
         if bias is not None and not self.bias_f32:
             bias = bias.to(torch.float32).contiguous()
