@@ -148,9 +148,10 @@ def _models(depth=3):
             if p.requires_grad:
                 p.normal_(0, 0.05)          # no adaLN-Zero zeros: every path carries a signal
     per_module, block_by_block = copy.deepcopy(chained), copy.deepcopy(chained)
-    chained.use_fused_ops(FUSED)
-    per_module.use_fused_ops(FUSED._replace(modulations=None))
-    block_by_block.use_fused_ops(FUSED._replace(gated_residual_norm=None, modulations=None))
+    # (op by op: FUSED.block, a whole block as one node, has its own test, test_block.py)
+    chained.use_fused_ops(FUSED._replace(block=None))
+    per_module.use_fused_ops(FUSED._replace(modulations=None, block=None))
+    block_by_block.use_fused_ops(FUSED._replace(gated_residual_norm=None, modulations=None, block=None))
     return chained, per_module, block_by_block
 
 
@@ -204,7 +205,7 @@ def test_modulations_outside_autocast_and_with_a_hook_are_the_modules():
 def test_dit_hooks_keep_the_blocks_calls():
     chained, _, _ = _models(depth=2)
     x, t, y = torch.randn(2, 4, 8, 8), torch.tensor([1, 20]), torch.tensor([0, 3])
-    assert chained._chain_ops() is FUSED
+    assert chained._chain_ops() is chained.blocks[0].fused
     seen = []
     handle = chained.blocks[1].register_forward_hook(lambda m, i, o: seen.append(o.shape))
     assert chained._chain_ops() is None
@@ -217,4 +218,4 @@ def test_dit_hooks_keep_the_blocks_calls():
     handle = chained.final_layer.register_full_backward_hook(lambda m, gi, go: None)
     assert chained._chain_ops() is None
     handle.remove()
-    assert chained._chain_ops() is FUSED
+    assert chained._chain_ops() is chained.blocks[0].fused

@@ -322,10 +322,16 @@ class DiT(nn.Module):
         mods = [o.chunk(6, dim=1) for o in outs[:-1]]
         fin_shift, fin_scale = outs[-1].chunk(2, dim=1)
         h = norm_modulate(x, mods[0][0], mods[0][1], f)
+        whole = getattr(f, "block", None)
         for i, block in enumerate(self.blocks):
             _, _, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods[i]
-            x, h = f.gated_residual_norm(x, block.attn(h), gate_msa, scale_mlp, shift_mlp, 1e-6)
             shift, scale = (mods[i + 1][0], mods[i + 1][1]) if i + 1 < len(mods) else (fin_shift, fin_scale)
+            out = None if whole is None else whole(block, x, h, gate_msa, shift_mlp, scale_mlp, gate_mlp,
+                                                   shift, scale, 1e-6)
+            if out is not None:
+                x, h = out
+                continue
+            x, h = f.gated_residual_norm(x, block.attn(h), gate_msa, scale_mlp, shift_mlp, 1e-6)
             x, h = f.gated_residual_norm(x, block.mlp(h), gate_mlp, scale, shift, 1e-6)
         return self.final_layer.linear(h)
 

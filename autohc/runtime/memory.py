@@ -139,7 +139,7 @@ class BufferPool:
 
     def __init__(self, cap: int | CapSetting):
         self._setting = cap if isinstance(cap, CapSetting) else CapSetting(cap)
-        self._free: dict[int, list[mmap.mmap]] = {}
+        self._free: dict[int, list[tuple[mmap.mmap, int]]] = {}     # (block, where its data starts)
         self._free_bytes = 0
         self._in_use = self.high_water = 0     # bytes of blocks handed out and not yet back
         self._lock = threading.RLock()      # re-entrant: a finalizer may run inside a locked call
@@ -167,21 +167,11 @@ class BufferPool:
         return (f"free blocks up to the most in use at once, {s.floor >> 20}-{s.ceiling >> 20} MB "
                 f"(AUTOHC_POOL_MB fixes it)")
 
-    def _take(self, size: int) -> mmap.mmap | None:
-        with self._lock:
-            blocks = self._free.get(size)
-            if blocks:
-                self._free_bytes -= size
-                self.hits += 1
-                return blocks.pop()
-            self.misses += 1
-        return None
-
-    def _give(self, size: int, block: mmap.mmap) -> None:
+    def _give(self, size: int, block: mmap.mmap, offset: int) -> None:
         with self._lock:
             self._in_use -= size
             if self._free_bytes + size <= self.cap_bytes:
-                self._free.setdefault(size, []).append(block)
+                self._free.setdefault(size, []).append((block, offset))
                 self._free_bytes += size
         # else: dropped; unmapped once its last buffer export is gone
 
@@ -218,28 +208,39 @@ class BufferPool:
             raise MemoryError(f"autohc: cannot map {nbytes / 2**20:.0f} MB for a kernel result "
                               f"({e.strerror or e})") from None
 
-    def _new_block(self, size: int) -> tuple[mmap.mmap, int]:
-        """A new block for `size` bytes and where its data starts: large ones start on a huge
-        page (+ HUGE of room for that) and are advised MADV_HUGEPAGE before their first write."""
+    def _new_block(self, size: int) -> tuple[mmap.mmap, int, int]:
+        """A new block for `size` bytes, where its data starts in it and its address: large
+        ones start on a huge page (+ HUGE of room for that) and are advised MADV_HUGEPAGE
+        before their first write."""
         block = self._map(size + (HUGE if size >= HUGE_MIN_BYTES else 0))
-        start = _address(block) + _data_offset(block, size)
+        offset = _data_offset(block, size)
+        start = _address(block) + offset
         _advise_range(start, size)
-        return block, start
+        return block, offset, start
 
-    def empty(self, shape: tuple[int, ...]) -> torch.Tensor:
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """An uninitialised float32 or bfloat16 tensor of `shape` on a block of the pool."""
         n = math.prod(shape)
-        size = _size_class(n * 4)
-        block = self._take(size)
-        if block is None:
-            block, _ = self._new_block(size)
-        with self._lock:
+        bf16 = dtype == torch.bfloat16
+        size = _size_class(n * (2 if bf16 else 4))
+        with self._lock:            # (one lock for the free list and the counts: a hot path)
+            blocks = self._free.get(size)
+            taken = blocks.pop() if blocks else None
+            if taken is not None:
+                self._free_bytes -= size
+                self.hits += 1
+            else:
+                self.misses += 1
             self._in_use += size
             self.high_water = max(self.high_water, self._in_use)
-        arr = np.frombuffer(block, dtype=np.float32, count=n, offset=_data_offset(block, size))
-        weakref.finalize(arr, self._give, size, block).atexit = False   # nothing to return at exit
+        block, offset = taken if taken is not None else self._new_block(size)[:2]
+        arr = np.frombuffer(block, dtype=np.uint16 if bf16 else np.float32, count=n, offset=offset)
+        weakref.finalize(arr, self._give, size, block, offset).atexit = False   # nothing to return at exit
         if (listener := self.listener) is not None:
             listener(size)
-        return torch.from_numpy(arr).view(shape)
+        # (shaped by numpy: each torch call costs more than numpy's reshape after a kernel)
+        t = torch.from_numpy(arr.reshape(shape))
+        return t.view(torch.bfloat16) if bf16 else t
 
     # -------------------------------------------- for a helper that readies blocks (Prefaulter)
     def free_counts(self) -> dict[int, int]:
@@ -249,12 +250,12 @@ class BufferPool:
     def stock(self, size: int) -> bool:
         """A new block of `size`, its pages faulted in on the calling thread, put on the free
         list if it fits under the cap (False: it did not, and is let go)."""
-        block, start = self._new_block(size)
+        block, offset, start = self._new_block(size)
         _populate(start, size)
         with self._lock:
             if self._free_bytes + size > self.cap_bytes:
                 return False
-            self._free.setdefault(size, []).append(block)
+            self._free.setdefault(size, []).append((block, offset))
             self._free_bytes += size
             return True
 
@@ -398,9 +399,7 @@ def fresh_empty(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor
         raise ValueError(f"fresh_empty: float32 or bfloat16, not {dtype}")
     size = 4 if dtype == torch.float32 else 2
     if n * size >= POOL_MIN_BYTES and pool.cap_bytes > 0:
-        if dtype == torch.float32:
-            return pool.empty(tuple(shape))
-        return pool.empty(((n + 1) // 2,)).view(torch.bfloat16)[:n].view(shape)
+        return pool.empty(shape, dtype)
     return torch.empty(shape, dtype=dtype)
 
 
@@ -410,8 +409,8 @@ def huge_page_empty(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Te
     tail keeps 4 KB pages), but not the pool's: it lives as long as the tensor (its numpy
     array keeps the mapping)."""
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-    block, start = pool._new_block(nbytes)
-    arr = np.frombuffer(block, dtype=np.uint8, count=nbytes, offset=start - _address(block))
+    block, offset, _ = pool._new_block(nbytes)
+    arr = np.frombuffer(block, dtype=np.uint8, count=nbytes, offset=offset)
     return torch.from_numpy(arr).view(dtype).view(shape)
 
 

@@ -309,9 +309,8 @@ def _(qkv, heads, scale):
     return qkv.new_empty(B, T, C // 3), lse_like(q).to(_lse_dtype(qkv.dtype))
 
 
-@torch.library.custom_op("autohc::attention_qkv_backward", mutates_args=())
-def _attention_qkv_backward(grad: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor,
-                            lse: torch.Tensor, heads: int, scale: float | None) -> torch.Tensor:
+def _attention_qkv_bwd_impl(grad: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor,
+                           lse: torch.Tensor, heads: int, scale: float | None) -> torch.Tensor:
     """d qkv (B, T, 3 * H * hd, contiguous): the kernel writes dq, dk, dv straight into their
     thirds of it; elsewhere the three gradients of attention_backward, packed."""
     B, T, C = qkv.shape
@@ -328,6 +327,10 @@ def _attention_qkv_backward(grad: torch.Tensor, qkv: torch.Tensor, out: torch.Te
         return torch.stack([t.transpose(1, 2) for t in (dq, dk, dv)], dim=2).reshape(B, T, C)
     return fallback.kernel_or(kernel, packed_math, "attention_backward",
                               served=_backward_served(g, q, k, v, o, lse))
+
+
+_attention_qkv_backward = torch.library.custom_op("autohc::attention_qkv_backward",
+                                                  mutates_args=())(_attention_qkv_bwd_impl)
 
 
 @_attention_qkv_backward.register_fake

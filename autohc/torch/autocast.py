@@ -31,7 +31,7 @@ from ..kernels.gemm.matmul import gemm_bf16_into, gemm_into
 from ..kernels.gemm.params import RANGES
 from ..runtime.memory import fresh_empty
 from . import fallback, frozen, served
-from .direct import runs_direct
+from .direct import runs_direct, unwatched
 from .threads import kernel_threads
 
 _KEY = torch._C.DispatchKey.AutocastCPU
@@ -264,9 +264,8 @@ def _db(dy: torch.Tensor) -> torch.Tensor:
     return dy.sum(0).float()
 
 
-@torch.library.custom_op("autohc::linear_fp32w_backward", mutates_args=())
-def linear_fp32w_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, want_x: bool,
-                          want_w: bool, want_b: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _linear_bwd_impl(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, want_x: bool,
+                     want_w: bool, want_b: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dX bf16, dW fp32, db fp32) of linear_fp32w; an unwanted one is an empty tensor."""
     dy = dy.to(torch.bfloat16)
     unwanted = lambda dtype: dy.new_empty(0, dtype=dtype)     # (a custom op's outputs: no aliases)
@@ -275,11 +274,20 @@ def linear_fp32w_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, wa
             _db(dy) if want_b else unwanted(torch.float32))
 
 
+linear_fp32w_backward = torch.library.custom_op("autohc::linear_fp32w_backward", mutates_args=())(_linear_bwd_impl)
+
+
 @linear_fp32w_backward.register_fake
 def _(dy, x, w, want_x, want_w, want_b):
     return (x.new_empty(x.shape if want_x else (0,), dtype=torch.bfloat16),
             w.new_empty(w.shape if want_w else (0,), dtype=torch.float32),
             w.new_empty((w.shape[0],) if want_b else (0,), dtype=torch.float32))
+
+
+def _linear_backward_op():
+    """linear_fp32w_backward, or its implementation where nothing traces or watches the backward
+    (the op's dispatch then only costs time: docs/history.md, stop 88)."""
+    return _linear_bwd_impl if unwatched() else linear_fp32w_backward
 
 
 def _setup(ctx, inputs, output):
@@ -292,7 +300,7 @@ def _linear_grads(ctx, dy, x, w):
     """(dx, dw, db) of y = x wᵀ + b for the inputs autograd asks for (None for the others)."""
     want_x, want_w, want_b = ctx.needs_input_grad
     want_b = want_b and ctx.has_bias
-    dx, dw, db = linear_fp32w_backward(dy, x, w, want_x, want_w, want_b)
+    dx, dw, db = _linear_backward_op()(dy, x, w, want_x, want_w, want_b)
     return dx if want_x else None, dw if want_w else None, db if want_b else None
 
 
@@ -316,14 +324,17 @@ def _dx_gelu(dy: torch.Tensor, w: torch.Tensor, h: torch.Tensor) -> torch.Tensor
                               "linear_backward")
 
 
-@torch.library.custom_op("autohc::gelu_linear_fp32w_backward", mutates_args=())
-def gelu_linear_fp32w_backward(dy: torch.Tensor, g: torch.Tensor, h: torch.Tensor, w: torch.Tensor,
-                               want_w: bool, want_b: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _gelu_linear_bwd_impl(dy: torch.Tensor, g: torch.Tensor, h: torch.Tensor, w: torch.Tensor,
+                          want_w: bool, want_b: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dH bf16, dW fp32, db fp32) of y = GELU(h) · wᵀ + b, g = GELU(h) (bf16): dH = GELU'(h) (dY · W)
     from one kernel; an unwanted dW or db is an empty tensor."""
     dy = dy.to(torch.bfloat16)
     unwanted = lambda: dy.new_empty(0, dtype=torch.float32)
     return (_dx_gelu(dy, w, h), _dw(dy, g) if want_w else unwanted(), _db(dy) if want_b else unwanted())
+
+
+gelu_linear_fp32w_backward = torch.library.custom_op("autohc::gelu_linear_fp32w_backward",
+                                                     mutates_args=())(_gelu_linear_bwd_impl)
 
 
 @gelu_linear_fp32w_backward.register_fake
@@ -362,7 +373,8 @@ def _mlp_backward(ctx, dy, dg, dh):
     want_b1, want_b2 = want_b1 and ctx.has_bias[0], want_b2 and ctx.has_bias[1]
     d, dw2, db2 = None, None, None
     if dy is not None:
-        d, dw2, db2 = gelu_linear_fp32w_backward(dy, g, h, w2, want_w2, want_b2)
+        fc2 = _gelu_linear_bwd_impl if unwatched() else gelu_linear_fp32w_backward
+        d, dw2, db2 = fc2(dy, g, h, w2, want_w2, want_b2)
     if dg is not None:          # (g or h read outside the op too: their gradients join dH)
         dgh = torch.ops.autohc.gelu_tanh_backward(dg.to(torch.bfloat16), h)
         d = dgh if d is None else d + dgh
@@ -370,7 +382,7 @@ def _mlp_backward(ctx, dy, dg, dh):
         d = dh if d is None else d + dh
     if d is None:
         return None, None, None, None, None
-    dx, dw1, db1 = linear_fp32w_backward(d, x, w1, want_x, want_w1, want_b1)
+    dx, dw1, db1 = _linear_backward_op()(d, x, w1, want_x, want_w1, want_b1)
     return (dx if want_x else None, dw1 if want_w1 else None, db1 if want_b1 else None,
             dw2 if want_w2 else None, db2 if want_b2 else None)     # (None where dy was)
 
@@ -439,12 +451,13 @@ def _mod_backward(ctx, dys):
     s = torch.nn.functional.silu(c).to(torch.bfloat16)
     ds = torch.zeros(c.shape) if want_c else None
     dws, dbs = [], []
+    backward = _linear_backward_op()
     for dy, w, want_w, want_b in zip(dys, ws, want_ws, want_bs):
         if dy is None:
             dws.append(None)
             dbs.append(None)
             continue
-        dx, dw, db = linear_fp32w_backward(dy, s, w, want_c, want_w, want_b)
+        dx, dw, db = backward(dy, s, w, want_c, want_w, want_b)
         if want_c:
             ds += dx
         dws.append(dw if want_w else None)

@@ -14,7 +14,12 @@ def runs_direct(*ts: torch.Tensor | None) -> bool:
     ts = [t for t in ts if t is not None]
     if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
         return False
-    if (torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.autograd.profiler._is_profiler_enabled
-            or _current_dispatch_mode() is not None or torch._C._functorch.peek_interpreter_stack() is not None):
-        return False
-    return all(type(t) is torch.Tensor for t in ts)
+    return unwatched() and all(type(t) is torch.Tensor for t in ts)
+
+
+def unwatched() -> bool:
+    """Nothing tracing or watching the calls (runs_direct's second half: torch.compile,
+    torch.jit.trace, a dispatch mode, a functorch transform, the profiler)."""
+    return not (torch.compiler.is_compiling() or torch.jit.is_tracing()
+                or torch.autograd.profiler._is_profiler_enabled or _current_dispatch_mode() is not None
+                or torch._C._functorch.peek_interpreter_stack() is not None)

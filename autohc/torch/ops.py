@@ -531,10 +531,9 @@ def _(x, y, gate, scale, shift, eps):
             x.new_empty(B * T), x.new_empty(B * T))
 
 
-@torch.library.custom_op("autohc::gated_residual_norm_backward", mutates_args=())
-def _gres_ln_bwd(dh: torch.Tensor, gout: torch.Tensor | None, out: torch.Tensor, y: torch.Tensor,
-                 gate: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor,
-                 rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _gres_ln_bwd_impl(dh: torch.Tensor, gout: torch.Tensor | None, out: torch.Tensor, y: torch.Tensor,
+                      gate: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor,
+                      rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx fp32, dy, dgate, dscale, dshift) of gated_residual_norm for the gradients dh of h and
     gout of out (None: out not used further); dy, dgate, dscale, dshift in y's dtype, sums in fp32."""
     B, T, D = out.shape
@@ -562,6 +561,9 @@ def _gres_ln_bwd(dh: torch.Tensor, gout: torch.Tensor | None, out: torch.Tensor,
         dx = dx + gout
     return (dx, (dx * gate.float()[:, None, :]).to(y.dtype), (dx * y.float()).sum(1).to(y.dtype),
             dscale.to(y.dtype), dshift.to(y.dtype))
+
+
+_gres_ln_bwd = torch.library.custom_op("autohc::gated_residual_norm_backward", mutates_args=())(_gres_ln_bwd_impl)
 
 
 @_gres_ln_bwd.register_fake
@@ -619,6 +621,9 @@ class FusedOps(NamedTuple):
     gated_residual_norm: Callable | None = None
     # (c, adaLN_modulation modules) -> [m(c) for each]: every block's modulation at once
     modulations: Callable | None = None
+    # (block, x, h, gate_msa, shift_mlp, scale_mlp, gate_mlp, next shift, next scale, eps) ->
+    # (x', h') of a whole block as one autograd node, or None: run it op by op
+    block: Callable | None = None
 
 
 def _qkv_attention(qkv: torch.Tensor, heads: int) -> torch.Tensor:
@@ -641,8 +646,13 @@ def _modulations(c: torch.Tensor, adaln: list) -> list:
     return modulations(c, adaln)
 
 
+def _block(block, x, h, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_n, scale_n, eps):
+    from .block import block_step
+    return block_step(block, x, h, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_n, scale_n, eps)
+
+
 FUSED = FusedOps(layernorm_modulate, gated_residual, _qkv_attention, _linear_gelu, _mlp,
-                 gated_residual_norm, _modulations)
+                 gated_residual_norm, _modulations, _block)
 
 
 # ------------------------------------------------- aten CPU kernels for autohc.install()

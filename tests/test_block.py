@@ -1,0 +1,125 @@
+"""A DiT block's bf16 training forward and backward as one autograd node (autohc/torch/block.py,
+FusedOps.block): the same implementations as the op-by-op chain, in the same order, so the
+loss and every gradient equal the chain's bit for bit; and the block runs op by op wherever
+that one node would not be the same thing (no gradient, fp32, not installed, hooks, frozen
+weights' gradients, the profiler)."""
+import copy
+
+import pytest
+import torch
+
+import autohc
+import autohc.torch.block as block
+from autohc.dit.model import DiT
+from autohc.torch.ops import FUSED
+
+BF = torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def clean():
+    autohc.uninstall()
+    yield
+    autohc.uninstall()
+
+
+def _pair(hidden=64, heads=4, input_size=8, depth=2):
+    """(one node a block, op by op): the same weights, every path carrying a signal."""
+    torch.manual_seed(hidden + input_size)
+    whole = DiT(input_size=input_size, patch_size=2, hidden_size=hidden, depth=depth, num_heads=heads,
+                num_classes=10)
+    with torch.no_grad():
+        for p in whole.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.05)          # no adaLN-Zero zeros
+    ops = copy.deepcopy(whole)
+    whole.use_fused_ops(FUSED)
+    ops.use_fused_ops(FUSED._replace(block=None))
+    return whole, ops
+
+
+def _batch(n, size):
+    g = torch.Generator().manual_seed(n)
+    return (torch.randn((n, 4, size, size), generator=g), torch.randint(0, 1000, (n,), generator=g),
+            torch.randint(0, 10, (n,), generator=g))
+
+
+def _step(m, x, t, y):
+    m.zero_grad(set_to_none=True)
+    out = m(x, t, y, drop_draws=torch.ones(len(y)))
+    (out.float() * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    return out.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+
+
+@pytest.fixture
+def taken(monkeypatch):
+    """How many blocks ran as one node."""
+    seen = []
+    real = block.block_step
+
+    def counting(*a):
+        out = real(*a)
+        seen.append(out is not None)
+        return out
+    monkeypatch.setattr(block, "block_step", counting)
+    return seen
+
+
+# ragged sizes: 25 tokens a image (input 10, patch 2), a hidden size not a multiple of 32
+@pytest.mark.parametrize("hidden,heads,size,batch", [(64, 4, 8, 4), (96, 3, 10, 3), (80, 5, 8, 2)])
+def test_one_node_equals_the_ops_bit_for_bit(taken, hidden, heads, size, batch):
+    whole, ops = _pair(hidden, heads, size)
+    x, t, y = _batch(batch, size)
+    with autohc.installed(first_use_tuning=False), torch.autocast("cpu", dtype=BF):
+        got, g = _step(whole, x, t, y)
+        assert taken == [True, True]
+        ref, gref = _step(ops, x, t, y)
+    assert taken == [True, True]            # (the op-by-op model never asks)
+    assert torch.equal(got, ref)
+    assert g.keys() == gref.keys() and len(g) == sum(p.requires_grad for p in whole.parameters())
+    for n in g:
+        assert torch.equal(g[n], gref[n]), n
+
+
+def test_frozen_weights_get_no_gradient_and_the_rest_are_the_ops(taken):
+    whole, ops = _pair()
+    for m in (whole, ops):
+        m.blocks[0].attn.qkv.weight.requires_grad_(False)
+        m.blocks[1].mlp.fc2.bias.requires_grad_(False)
+    x, t, y = _batch(2, 8)
+    with autohc.installed(first_use_tuning=False), torch.autocast("cpu", dtype=BF):
+        got, g = _step(whole, x, t, y)
+        ref, gref = _step(ops, x, t, y)
+    assert taken == [True, True]
+    assert "blocks.0.attn.qkv.weight" not in g and "blocks.1.mlp.fc2.bias" not in g
+    assert g.keys() == gref.keys() and torch.equal(got, ref)
+    assert all(torch.equal(g[n], gref[n]) for n in g)
+
+
+def test_the_block_runs_op_by_op_where_one_node_is_not_the_same_thing(taken):
+    whole, _ = _pair()
+    x, t, y = _batch(2, 8)
+    with torch.autocast("cpu", dtype=BF):               # not installed
+        _step(whole, x, t, y)
+    with autohc.installed(first_use_tuning=False):
+        _step(whole, x, t, y)                           # fp32
+        with torch.autocast("cpu", dtype=BF):
+            with torch.no_grad():                       # sampling: each op runs its kernel directly
+                whole(x, t, y)
+            with torch.autograd.profiler.profile():     # the profiler names each op
+                _step(whole, x, t, y)
+            handle = whole.blocks[1].mlp.fc1.register_forward_hook(lambda *a: None)
+            _step(whole, x, t, y)
+            handle.remove()
+            _step(whole, x, t, y)
+    assert taken == [False] * 8 + [True, False] + [True, True]
+
+
+def test_a_hooked_block_part_keeps_its_hook_called():
+    whole, _ = _pair()
+    seen = []
+    whole.blocks[0].attn.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    x, t, y = _batch(2, 8)
+    with autohc.installed(first_use_tuning=False), torch.autocast("cpu", dtype=BF):
+        _step(whole, x, t, y)
+    assert seen == [torch.Size([2, 16, 64])]
