@@ -57,8 +57,8 @@ def taken(monkeypatch):
     seen = []
     real = block.block_step
 
-    def counting(*a):
-        out = real(*a)
+    def counting(*a, **kw):
+        out = real(*a, **kw)
         seen.append(out is not None)
         return out
     monkeypatch.setattr(block, "block_step", counting)

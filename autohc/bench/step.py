@@ -208,6 +208,8 @@ def profile_step(mode: "_Mode") -> dict:
     mode.finish_tuning()
     wall = mode.times.pop()         # not one of the timed steps
     mode.losses.pop()
+    if mode.on_autohc:
+        mode.teams.pop()
     seconds = dict.fromkeys(PROFILE_CLASSES, 0.0)
     for e in prof.events():
         cls = event_class(e)

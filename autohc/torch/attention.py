@@ -290,7 +290,7 @@ def _check_qkv(qkv: torch.Tensor, heads: int) -> None:
                          f"{tuple(qkv.shape)} with {heads} heads")
 
 
-def _attention_qkv_impl(qkv: torch.Tensor, heads: int,
+def attention_qkv_impl(qkv: torch.Tensor, heads: int,
                         scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, T, H * hd), lse (B, H, T)) of the attention of qkv's q, k, v (the inner
     attention called as a function: this op is what tracing and the profiler see)."""
@@ -299,7 +299,7 @@ def _attention_qkv_impl(qkv: torch.Tensor, heads: int,
     return out.transpose(1, 2).reshape(B, T, C // 3), lse
 
 
-_attention_qkv = torch.library.custom_op("autohc::attention_qkv", mutates_args=())(_attention_qkv_impl)
+_attention_qkv = torch.library.custom_op("autohc::attention_qkv", mutates_args=())(attention_qkv_impl)
 
 
 @_attention_qkv.register_fake
@@ -309,7 +309,7 @@ def _(qkv, heads, scale):
     return qkv.new_empty(B, T, C // 3), lse_like(q).to(_lse_dtype(qkv.dtype))
 
 
-def _attention_qkv_bwd_impl(grad: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor,
+def attention_qkv_backward_impl(grad: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor,
                            lse: torch.Tensor, heads: int, scale: float | None) -> torch.Tensor:
     """d qkv (B, T, 3 * H * hd, contiguous): the kernel writes dq, dk, dv straight into their
     thirds of it; elsewhere the three gradients of attention_backward, packed."""
@@ -330,7 +330,7 @@ def _attention_qkv_bwd_impl(grad: torch.Tensor, qkv: torch.Tensor, out: torch.Te
 
 
 _attention_qkv_backward = torch.library.custom_op("autohc::attention_qkv_backward",
-                                                  mutates_args=())(_attention_qkv_bwd_impl)
+                                                  mutates_args=())(attention_qkv_backward_impl)
 
 
 @_attention_qkv_backward.register_fake
@@ -357,7 +357,7 @@ def attention_qkv(qkv: torch.Tensor, heads: int, scale: float | None = None) -> 
     a (B, T, 3 * heads * head_dim) qkv, returned as (B, T, heads * head_dim) (what goes into
     proj); its backward writes d qkv in one pass (no stack, no permute copy)."""
     _check_qkv(qkv, heads)
-    op = _attention_qkv_impl if runs_direct(qkv) else _attention_qkv
+    op = attention_qkv_impl if runs_direct(qkv) else _attention_qkv
     return op(qkv, int(heads), None if scale is None else float(scale))[0]
 
 

@@ -49,7 +49,7 @@ def _captured_autocast_linear():
 STOCK_AUTOCAST_LINEAR = _captured_autocast_linear()
 
 
-def _served(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
+def linear_served(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
     if torch.get_autocast_dtype("cpu") != torch.bfloat16 or not served.bf16_served():
         return False
     if w.dim() != 2 or x.dim() < 2 or not served.tensor_ok(w):
@@ -57,10 +57,10 @@ def _served(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
     if not (served.tensor_ok(x) or served.tensor_ok(x, dtype=torch.bfloat16)):
         return False
     K = w.shape[1]
-    return x.shape[-1] == K and _weights_served(x.numel() // K if K else 0, w, b)
+    return x.shape[-1] == K and weights_served(x.numel() // K if K else 0, w, b)
 
 
-def _weights_served(M: int, w: torch.Tensor, b: torch.Tensor | None) -> bool:
+def weights_served(M: int, w: torch.Tensor, b: torch.Tensor | None) -> bool:
     """w (N x K) and b of a Linear on M rows, served (w checked as 2-D float32 by the caller)."""
     N, K = w.shape
     if b is not None and not (served.tensor_ok(b) and tuple(b.shape) == (N,)):
@@ -70,10 +70,12 @@ def _weights_served(M: int, w: torch.Tensor, b: torch.Tensor | None) -> bool:
 
 def autocast_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """aten::linear under autocast (install()'s AutocastCPU kernel)."""
-    if not _served(x, w, b):
+    if not linear_served(x, w, b):
         return STOCK_AUTOCAST_LINEAR.call_boxed(torch._C.DispatchKeySet(_KEY), x, w, b)
     N, K = w.shape
-    y = linear_fp32w(x.to(torch.bfloat16).reshape(-1, K), w, b)
+    x2 = x.to(torch.bfloat16).reshape(-1, K)
+    # (w and b are Parameters, which runs_direct refuses by type: they count only for autograd)
+    y = (linear_impl if runs_direct(x2) and not _records_grad(w, b) else linear_fp32w)(x2, w, b)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], N)
 
 
@@ -90,10 +92,10 @@ def _aten_linear(x, w, b):
 def linear_fp32w(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """y (bf16, M x N) = x (bf16, M x K) · wᵀ + b, w (N x K) and b (N) float32, rounded to bf16
     by the kernel while packing."""
-    return _linear_impl(x, w, b)
+    return linear_impl(x, w, b)
 
 
-def _linear_impl(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+def linear_impl(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     y = fresh_empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
     w16 = frozen.bf16_weight(w)         # inside autohc.frozen: rounded and packed once
     packed = frozen.packed_weight(w) if w16 is not None else None
@@ -138,7 +140,7 @@ def _(x, w, b):
 def _linear_gelu_train(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(g, h): h = x · wᵀ + b and g = GELU(tanh)(h), both bf16 (M x N), from one kernel: the GEMM's
     store rounds h and GELU of its fp32 value (training's fc1: GELU's backward reads h)."""
-    return _linear_gelu_train_impl(x, w, b)
+    return linear_gelu_train_impl(x, w, b)
 
 
 # rows past every skinny path's (GemmParams.skinny_m's bound): a working copy gives the master's
@@ -156,7 +158,7 @@ def _kernel_weight(w: torch.Tensor, rows: int) -> torch.Tensor:
     return w if w16 is None else w16
 
 
-def _linear_gelu_train_impl(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
+def linear_gelu_train_impl(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
     g = fresh_empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
     h = fresh_empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
 
@@ -196,7 +198,7 @@ def _lg_backward(ctx, dg, dh):
 _linear_gelu_train.register_autograd(_lg_backward, setup_context=_lg_setup)
 
 
-def _unhooked(linear: torch.nn.Module) -> bool:
+def unhooked(linear: torch.nn.Module) -> bool:
     """A plain nn.Linear whose forward nothing watches or changes (calling F.linear on its
     parameters is then the same as calling it)."""
     from torch.nn.modules import module
@@ -210,7 +212,7 @@ def linear_gelu(x: torch.Tensor, linear: torch.nn.Module) -> torch.Tensor:
     store, so the pre-activation is not read back; with no gradient to record (sampling) it is
     not written either, in training it is written beside GELU's result for GELU's backward.
     Elsewhere (fp32, not installed, a hooked or subclassed Linear) exactly the two calls."""
-    if _unhooked(linear):
+    if unhooked(linear):
         return linear_gelu_fn(x, linear.weight, linear.bias)
     return torch.nn.functional.gelu(linear(x), approximate="tanh")
 
@@ -225,7 +227,7 @@ def linear_gelu_fn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = No
     parameters: what install()'s pass over torch.compile graphs (compile_pass.py) puts in their
     place, decided again when the graph is traced (under autocast bf16 and install(): the fused
     kernel; elsewhere the two calls)."""
-    if torch.is_autocast_enabled("cpu") and served.is_installed() and _served(x, w, b):
+    if torch.is_autocast_enabled("cpu") and served.is_installed() and linear_served(x, w, b):
         N, K = w.shape
         x2 = x.to(torch.bfloat16).reshape(-1, K)
         if _records_grad(x, w, b):
@@ -264,7 +266,7 @@ def _db(dy: torch.Tensor) -> torch.Tensor:
     return dy.sum(0).float()
 
 
-def _linear_bwd_impl(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, want_x: bool,
+def linear_backward_impl(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, want_x: bool,
                      want_w: bool, want_b: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dX bf16, dW fp32, db fp32) of linear_fp32w; an unwanted one is an empty tensor."""
     dy = dy.to(torch.bfloat16)
@@ -274,7 +276,7 @@ def _linear_bwd_impl(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, want_x:
             _db(dy) if want_b else unwanted(torch.float32))
 
 
-linear_fp32w_backward = torch.library.custom_op("autohc::linear_fp32w_backward", mutates_args=())(_linear_bwd_impl)
+linear_fp32w_backward = torch.library.custom_op("autohc::linear_fp32w_backward", mutates_args=())(linear_backward_impl)
 
 
 @linear_fp32w_backward.register_fake
@@ -287,7 +289,7 @@ def _(dy, x, w, want_x, want_w, want_b):
 def _linear_backward_op():
     """linear_fp32w_backward, or its implementation where nothing traces or watches the backward
     (the op's dispatch then only costs time: docs/history.md, stop 88)."""
-    return _linear_bwd_impl if unwatched() else linear_fp32w_backward
+    return linear_backward_impl if unwatched() else linear_fp32w_backward
 
 
 def _setup(ctx, inputs, output):
@@ -324,7 +326,7 @@ def _dx_gelu(dy: torch.Tensor, w: torch.Tensor, h: torch.Tensor) -> torch.Tensor
                               "linear_backward")
 
 
-def _gelu_linear_bwd_impl(dy: torch.Tensor, g: torch.Tensor, h: torch.Tensor, w: torch.Tensor,
+def gelu_linear_backward_impl(dy: torch.Tensor, g: torch.Tensor, h: torch.Tensor, w: torch.Tensor,
                           want_w: bool, want_b: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dH bf16, dW fp32, db fp32) of y = GELU(h) · wᵀ + b, g = GELU(h) (bf16): dH = GELU'(h) (dY · W)
     from one kernel; an unwanted dW or db is an empty tensor."""
@@ -334,7 +336,7 @@ def _gelu_linear_bwd_impl(dy: torch.Tensor, g: torch.Tensor, h: torch.Tensor, w:
 
 
 gelu_linear_fp32w_backward = torch.library.custom_op("autohc::gelu_linear_fp32w_backward",
-                                                     mutates_args=())(_gelu_linear_bwd_impl)
+                                                     mutates_args=())(gelu_linear_backward_impl)
 
 
 @gelu_linear_fp32w_backward.register_fake
@@ -350,8 +352,8 @@ def _mlp_train(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: t
     """(y, g, h), all bf16: h = x · w1ᵀ + b1 and g = GELU(tanh)(h) from one kernel (fc1 with GELU
     in its store), y = g · w2ᵀ + b2 (fc2). Its backward runs fc2's input gradient and GELU's
     backward as one kernel (gelu_linear_fp32w_backward)."""
-    g, h = _linear_gelu_train_impl(x, w1, b1)
-    return _linear_impl(g, w2, b2), g, h
+    g, h = linear_gelu_train_impl(x, w1, b1)
+    return linear_impl(g, w2, b2), g, h
 
 
 @_mlp_train.register_fake
@@ -373,7 +375,7 @@ def _mlp_backward(ctx, dy, dg, dh):
     want_b1, want_b2 = want_b1 and ctx.has_bias[0], want_b2 and ctx.has_bias[1]
     d, dw2, db2 = None, None, None
     if dy is not None:
-        fc2 = _gelu_linear_bwd_impl if unwatched() else gelu_linear_fp32w_backward
+        fc2 = gelu_linear_backward_impl if unwatched() else gelu_linear_fp32w_backward
         d, dw2, db2 = fc2(dy, g, h, w2, want_w2, want_b2)
     if dg is not None:          # (g or h read outside the op too: their gradients join dH)
         dgh = torch.ops.autohc.gelu_tanh_backward(dg.to(torch.bfloat16), h)
@@ -395,7 +397,7 @@ def mlp(x: torch.Tensor, fc1: torch.nn.Module, fc2: torch.nn.Module) -> torch.Te
     autocast bf16, in training, fc1 with GELU in its store (linear_gelu) and, in the backward,
     fc2's input gradient with GELU's backward in its store; elsewhere (sampling, fp32, not
     installed, a hooked or subclassed Linear) fc2 of linear_gelu."""
-    if _unhooked(fc1) and _unhooked(fc2):
+    if unhooked(fc1) and unhooked(fc2):
         return mlp_fn(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias)
     return fc2(linear_gelu(x, fc1))
 
@@ -405,8 +407,8 @@ def mlp_fn(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch
     """F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2), as mlp on plain Linears'
     parameters (and what install()'s pass over torch.compile graphs puts in place of that)."""
     if (torch.is_autocast_enabled("cpu") and served.is_installed() and _records_grad(x, w1, b1, w2, b2)
-            and _served(x, w1, b1) and w2.dim() == 2 and served.tensor_ok(w2) and w2.shape[1] == w1.shape[0]
-            and _weights_served(x.numel() // w1.shape[1], w2, b2)):
+            and linear_served(x, w1, b1) and w2.dim() == 2 and served.tensor_ok(w2) and w2.shape[1] == w1.shape[0]
+            and weights_served(x.numel() // w1.shape[1], w2, b2)):
         N, K = w2.shape[0], w1.shape[1]
         y = _mlp_train(x.to(torch.bfloat16).reshape(-1, K), w1, b1, w2, b2)[0]
         return y if x.dim() == 2 else y.view(*x.shape[:-1], N)
@@ -429,7 +431,7 @@ def _modulations(c: torch.Tensor, ws: list[torch.Tensor], bs: list[torch.Tensor]
 
 def _modulations_impl(c, ws, bs):
     s = torch.nn.functional.silu(c).to(torch.bfloat16)
-    return [_linear_impl(s, w, b) for w, b in zip(ws, bs)]
+    return [linear_impl(s, w, b) for w, b in zip(ws, bs)]
 
 
 @_modulations.register_fake
@@ -476,7 +478,7 @@ def _silu_linear(m: torch.nn.Module) -> bool:
     """m is nn.Sequential(nn.SiLU(), nn.Linear) as DiT's adaLN_modulation, nothing hooked."""
     return (type(m) is torch.nn.Sequential and len(m) == 2 and type(m[0]) is torch.nn.SiLU
             and not (m._forward_hooks or m._forward_pre_hooks or m[0]._forward_hooks
-                     or m[0]._forward_pre_hooks) and _unhooked(m[1]))
+                     or m[0]._forward_pre_hooks) and unhooked(m[1]))
 
 
 def modulations(c: torch.Tensor, adaln: list[torch.nn.Module]) -> list[torch.Tensor]:
@@ -488,7 +490,7 @@ def modulations(c: torch.Tensor, adaln: list[torch.nn.Module]) -> list[torch.Ten
         return [m(c) for m in adaln]
     lins = [m[1] for m in adaln]
     if (torch.is_autocast_enabled("cpu") and served.is_installed() and c.dim() == 2
-            and all(_served(c, lin.weight, lin.bias) and lin.bias is not None for lin in lins)):
+            and all(linear_served(c, lin.weight, lin.bias) and lin.bias is not None for lin in lins)):
         ws, bs = [lin.weight for lin in lins], [lin.bias for lin in lins]
         if runs_direct(c, *ws, *bs):
             return _modulations_impl(c, ws, bs)

@@ -17,11 +17,10 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import served
-from .attention import _attention_qkv_bwd_impl, _attention_qkv_impl
-from .autocast import (_gelu_linear_bwd_impl, _linear_bwd_impl, _linear_gelu_train_impl, _linear_impl,
-                       _served, _unhooked, _weights_served)
+from .attention import attention_qkv_backward_impl, attention_qkv_impl
+from .autocast import (gelu_linear_backward_impl, linear_backward_impl, linear_gelu_train_impl, linear_impl,
+                       linear_served, unhooked, weights_served)
 from .direct import unwatched
-from .ops import _gres_ln_bwd_impl, _gres_ln_impl
 
 _BF16 = torch.bfloat16
 
@@ -29,25 +28,28 @@ _BF16 = torch.bfloat16
 class _Block(torch.autograd.Function):
     """(x, h, the block's gate_msa, shift_mlp, scale_mlp, gate_mlp, the next LayerNorm's shift
     and scale, the four Linears' weights and biases) -> (x', h'): x' the block's residual
-    stream (fp32), h' = the next LayerNorm + modulate of it (bf16)."""
+    stream (fp32), h' = the next LayerNorm + modulate of it (bf16). `norm`: the gated residual +
+    LayerNorm + modulate's implementation and its backward's (torch/ops.py's, passed in: ops.py
+    is the module that offers this one)."""
 
     @staticmethod
     def forward(ctx, x, h, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_n, scale_n,
-                wq, bq, wp, bp, w1, b1, w2, b2, heads, eps):
+                wq, bq, wp, bp, w1, b1, w2, b2, heads, eps, norm):
+        gres_ln_impl = norm[0]
         B, T, D = x.shape
         h2 = h.reshape(B * T, D)
-        qkv = _linear_impl(h2, wq, bq)
-        att, lse = _attention_qkv_impl(qkv.view(B, T, 3 * D), heads, None)
+        qkv = linear_impl(h2, wq, bq)
+        att, lse = attention_qkv_impl(qkv.view(B, T, 3 * D), heads, None)
         att2 = att.reshape(B * T, D)
-        a = _linear_impl(att2, wp, bp)
-        x1, hm, mean1, rstd1 = _gres_ln_impl(x, a.view(B, T, D), gate_msa, scale_mlp, shift_mlp, eps)
+        a = linear_impl(att2, wp, bp)
+        x1, hm, mean1, rstd1 = gres_ln_impl(x, a.view(B, T, D), gate_msa, scale_mlp, shift_mlp, eps)
         hm2 = hm.view(B * T, D)
-        g, pre = _linear_gelu_train_impl(hm2, w1, b1)
-        m = _linear_impl(g, w2, b2)
-        x2, hn, mean2, rstd2 = _gres_ln_impl(x1, m.view(B, T, D), gate_mlp, scale_n, shift_n, eps)
+        g, pre = linear_gelu_train_impl(hm2, w1, b1)
+        m = linear_impl(g, w2, b2)
+        x2, hn, mean2, rstd2 = gres_ln_impl(x1, m.view(B, T, D), gate_mlp, scale_n, shift_n, eps)
         ctx.save_for_backward(h2, qkv, att2, lse, a, x1, mean1, rstd1, hm2, g, pre, m, x2, mean2, rstd2,
                               gate_msa, scale_mlp, gate_mlp, scale_n, wq, wp, w1, w2)
-        ctx.heads = heads
+        ctx.heads, ctx.norm_backward = heads, norm[1]
         return x2, hn
 
     @staticmethod
@@ -55,25 +57,25 @@ class _Block(torch.autograd.Function):
     def backward(ctx, dx2, dhn):
         (h2, qkv, att2, lse, a, x1, mean1, rstd1, hm2, g, pre, m, x2, mean2, rstd2,
          gate_msa, scale_mlp, gate_mlp, scale_n, wq, wp, w1, w2) = ctx.saved_tensors
-        need = ctx.needs_input_grad
+        need, gres_ln_backward_impl = ctx.needs_input_grad, ctx.norm_backward
         B, T, D = x2.shape
         # (the order of the ops' own backwards: second gated residual + norm, MLP, first, proj,
         # attention, qkv)
-        dx1, dm, dgate_mlp, dscale_n, dshift_n = _gres_ln_bwd_impl(
+        dx1, dm, dgate_mlp, dscale_n, dshift_n = gres_ln_backward_impl(
             dhn.to(_BF16), dx2, x2, m.view(B, T, D), gate_mlp, scale_n, mean2, rstd2)
-        d, dw2, db2 = _gelu_linear_bwd_impl(dm.view(B * T, D), g, pre, w2, need[14], need[15])
-        dhm, dw1, db1 = _linear_bwd_impl(d, hm2, w1, True, need[12], need[13])
-        dx, da, dgate_msa, dscale_mlp, dshift_mlp = _gres_ln_bwd_impl(
+        d, dw2, db2 = gelu_linear_backward_impl(dm.view(B * T, D), g, pre, w2, need[14], need[15])
+        dhm, dw1, db1 = linear_backward_impl(d, hm2, w1, True, need[12], need[13])
+        dx, da, dgate_msa, dscale_mlp, dshift_mlp = gres_ln_backward_impl(
             dhm.view(B, T, D), dx1, x1, a.view(B, T, D), gate_msa, scale_mlp, mean1, rstd1)
-        datt, dwp, dbp = _linear_bwd_impl(da.view(B * T, D), att2, wp, True, need[10], need[11])
-        dqkv = _attention_qkv_bwd_impl(datt.view(B, T, D), qkv.view(B, T, 3 * D), att2.view(B, T, D), lse,
+        datt, dwp, dbp = linear_backward_impl(da.view(B * T, D), att2, wp, True, need[10], need[11])
+        dqkv = attention_qkv_backward_impl(datt.view(B, T, D), qkv.view(B, T, 3 * D), att2.view(B, T, D), lse,
                                        ctx.heads, None)
-        dh, dwq, dbq = _linear_bwd_impl(dqkv.view(B * T, 3 * D), h2, wq, need[1], need[8], need[9])
+        dh, dwq, dbq = linear_backward_impl(dqkv.view(B * T, 3 * D), h2, wq, need[1], need[8], need[9])
         wanted = lambda t, i: t if need[i] else None
         return (wanted(dx, 0), wanted(dh.view(B, T, D), 1) if need[1] else None,
                 wanted(dgate_msa, 2), wanted(dshift_mlp, 3), wanted(dscale_mlp, 4), wanted(dgate_mlp, 5),
                 wanted(dshift_n, 6), wanted(dscale_n, 7), wanted(dwq, 8), wanted(dbq, 9), wanted(dwp, 10),
-                wanted(dbp, 11), wanted(dw1, 12), wanted(db1, 13), wanted(dw2, 14), wanted(db2, 15), None, None)
+                wanted(dbp, 11), wanted(dw1, 12), wanted(db1, 13), wanted(dw2, 14), wanted(db2, 15), None, None, None)
 
 
 def _plain_block(block) -> bool:
@@ -83,7 +85,7 @@ def _plain_block(block) -> bool:
             and attn.token_split is None
             and not any(mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks
                         or mod._backward_pre_hooks for mod in (attn, mlp))
-            and all(_unhooked(lin) for lin in (attn.qkv, attn.proj, mlp.fc1, mlp.fc2)))
+            and all(unhooked(lin) for lin in (attn.qkv, attn.proj, mlp.fc1, mlp.fc2)))
 
 
 def _served_here(x, h, mods, lins) -> bool:
@@ -100,16 +102,17 @@ def _served_here(x, h, mods, lins) -> bool:
     qkv, proj, fc1, fc2 = lins
     if any(lin.bias is None for lin in lins) or qkv.weight.shape[0] != 3 * D:
         return False
-    if not all(_served(h, lin.weight, lin.bias) for lin in (qkv, proj, fc1)):
+    if not all(linear_served(h, lin.weight, lin.bias) for lin in (qkv, proj, fc1)):
         return False
     w1, w2 = fc1.weight, fc2.weight
     return (w2.dim() == 2 and served.tensor_ok(w2) and w2.shape == (D, w1.shape[0])
-            and _weights_served(B * T, w2, fc2.bias))
+            and weights_served(B * T, w2, fc2.bias))
 
 
-def block_step(block, x, h, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_n, scale_n, eps):
+def block_step(block, x, h, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_n, scale_n, eps, *, norm):
     """(x', h') of one DiT block in bf16 training as one autograd node, or None where the block
-    should run op by op (see the module's doc)."""
+    should run op by op (see the module's doc). norm: (gated residual + LayerNorm + modulate,
+    its backward), the implementations (ops.gres_ln_impl, ops.gres_ln_backward_impl)."""
     mods = (gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_n, scale_n)
     lins = (block.attn.qkv, block.attn.proj, block.mlp.fc1, block.mlp.fc2)
     params = [t for lin in lins for t in (lin.weight, lin.bias)]
@@ -117,4 +120,4 @@ def block_step(block, x, h, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_n, s
         return None
     if not (unwatched() and _plain_block(block) and _served_here(x, h, mods, lins)):
         return None
-    return _Block.apply(x, h, *mods, *params, int(block.attn.heads), float(eps))
+    return _Block.apply(x, h, *mods, *params, int(block.attn.heads), float(eps), tuple(norm))

@@ -497,7 +497,7 @@ def _gres_ln_kernel(x, y, gate, scale, shift) -> str | None:
     return None
 
 
-def _gres_ln_impl(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor,
+def gres_ln_impl(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor,
                   shift: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, h, mean, rstd): out = x + gate y (fp32), h = LayerNorm(out) (1 + scale) + shift in
     y's dtype, mean and rstd of out's rows (fp32)."""
@@ -520,7 +520,7 @@ def _gres_ln_impl(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, scale: t
     return out, h.to(y.dtype), mean, rstd
 
 
-_gres_ln = torch.library.custom_op("autohc::gated_residual_norm", mutates_args=())(_gres_ln_impl)
+_gres_ln = torch.library.custom_op("autohc::gated_residual_norm", mutates_args=())(gres_ln_impl)
 
 
 @_gres_ln.register_fake
@@ -531,7 +531,7 @@ def _(x, y, gate, scale, shift, eps):
             x.new_empty(B * T), x.new_empty(B * T))
 
 
-def _gres_ln_bwd_impl(dh: torch.Tensor, gout: torch.Tensor | None, out: torch.Tensor, y: torch.Tensor,
+def gres_ln_backward_impl(dh: torch.Tensor, gout: torch.Tensor | None, out: torch.Tensor, y: torch.Tensor,
                       gate: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor,
                       rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx fp32, dy, dgate, dscale, dshift) of gated_residual_norm for the gradients dh of h and
@@ -563,7 +563,7 @@ def _gres_ln_bwd_impl(dh: torch.Tensor, gout: torch.Tensor | None, out: torch.Te
             dscale.to(y.dtype), dshift.to(y.dtype))
 
 
-_gres_ln_bwd = torch.library.custom_op("autohc::gated_residual_norm_backward", mutates_args=())(_gres_ln_bwd_impl)
+_gres_ln_bwd = torch.library.custom_op("autohc::gated_residual_norm_backward", mutates_args=())(gres_ln_backward_impl)
 
 
 @_gres_ln_bwd.register_fake
@@ -605,7 +605,7 @@ def gated_residual_norm(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, sc
     if _gres_ln_kernel(x, y, gate, scale, shift) is None:
         out = gated_residual(x, y, gate)
         return out, layernorm_modulate(out, scale, shift, eps)
-    fn = _gres_ln_impl if runs_direct(x, y, gate, scale, shift) else _gres_ln
+    fn = gres_ln_impl if runs_direct(x, y, gate, scale, shift) else _gres_ln
     out, h, _, _ = fn(x, y, gate, scale, shift, float(eps))
     return out, h
 
@@ -648,7 +648,8 @@ def _modulations(c: torch.Tensor, adaln: list) -> list:
 
 def _block(block, x, h, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_n, scale_n, eps):
     from .block import block_step
-    return block_step(block, x, h, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_n, scale_n, eps)
+    return block_step(block, x, h, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_n, scale_n, eps,
+                      norm=(gres_ln_impl, gres_ln_backward_impl))
 
 
 FUSED = FusedOps(layernorm_modulate, gated_residual, _qkv_attention, _linear_gelu, _mlp,
