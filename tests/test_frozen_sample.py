@@ -126,9 +126,9 @@ def test_fc1_gelu_is_one_kernel_when_sampling_and_two_calls_when_training():
                     torch.nn.functional.gelu(fc1(x), approximate="tanh"))
 
     calls = []
-    real = ac._linear_gelu_impl
+    real = ac.linear_gelu_impl
     with autohc.installed(first_use_tuning=False), torch.no_grad():
-        ac._linear_gelu_impl = lambda *a: calls.append(1) or real(*a)
+        ac.linear_gelu_impl = lambda *a: calls.append(1) or real(*a)
         try:
             fused, two = both(x)
             assert calls and fused.shape == (3, 43, 200) and fused.dtype == torch.bfloat16
@@ -147,7 +147,7 @@ def test_fc1_gelu_is_one_kernel_when_sampling_and_two_calls_when_training():
             assert len(calls) == n and torch.equal(hooked, two)
             fc1._forward_hooks.clear()
         finally:
-            ac._linear_gelu_impl = real
+            ac.linear_gelu_impl = real
     with autohc.installed(first_use_tuning=False):
         grads = []
         for fuse in (True, False):          # training: the pre-activation written beside GELU

@@ -112,7 +112,7 @@ def _(x, w, b):
     return x.new_empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
 
 
-def _linear_gelu_impl(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+def linear_gelu_impl(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     y = fresh_empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
     w16 = frozen.bf16_weight(w)
     packed = frozen.packed_weight(w) if w16 is not None else None
@@ -126,7 +126,7 @@ def _linear_gelu_impl(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) 
 
 
 # (no autograd: linear_gelu takes it only where there is no gradient to record)
-_linear_gelu = torch.library.custom_op("autohc::linear_gelu_fp32w", mutates_args=())(_linear_gelu_impl)
+_linear_gelu = torch.library.custom_op("autohc::linear_gelu_fp32w", mutates_args=())(linear_gelu_impl)
 _linear_gelu.__doc__ = """GELU(tanh)(x (bf16, M x K) · wᵀ + b) in bf16, w (N x K) and b float32:
     linear_fp32w's GEMM with GELU applied in its store, the pre-activation never written."""
 
@@ -233,7 +233,7 @@ def linear_gelu_fn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = No
         if _records_grad(x, w, b):
             y = _linear_gelu_train(x2, w, b)[0]
         else:
-            y = (_linear_gelu_impl if runs_direct(x2) else _linear_gelu)(x2, w, b)   # (w, b: Parameters)
+            y = (linear_gelu_impl if runs_direct(x2) else _linear_gelu)(x2, w, b)   # (w, b: Parameters)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], N)
     return torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b), approximate="tanh")
 

@@ -1,16 +1,17 @@
-"""A DiT block's bf16 training step, forward and backward, as one autograd node (FusedOps.block).
+"""A DiT block under torch.autocast bf16 and install() as one call (FusedOps.block): in training
+one autograd node, forward and backward; in sampling one plain call.
 
-In training under torch.autocast bf16 and install(), DiT._chained would run a block as six ops:
-the qkv Linear, attention, the proj Linear, gated residual + LayerNorm + modulate, the MLP, gated
-residual + LayerNorm + modulate, each a custom op with its own autograd node, so each pays the
-module call, autocast's checks, the custom op's dispatch and autograd's bookkeeping, in Python,
-after its kernel has swept the core's L2 (docs/history.md, stops 87-88). Here the same
-implementations run one after the other under one torch.autograd.Function: the same kernels in
-the same order on the same operands, so the same values bit for bit, and one node a block.
+Op by op, DiT._chained runs a block as six ops: the qkv Linear, attention, the proj Linear, gated
+residual + LayerNorm + modulate, the MLP, gated residual + LayerNorm + modulate, each with its
+module call, autocast's checks and, in training, a custom op's dispatch and an autograd node, all
+in Python, after each kernel has swept the core's L2 (docs/history.md, stops 87-88). Here the
+same implementations run one after the other: in training under one torch.autograd.Function
+whose backward runs the ops' backwards in reverse, in sampling (nothing to record) as plain
+calls. The same kernels in the same order on the same operands, so the same values bit for bit.
 
-Where anything differs from that case (no gradient to record, fp32, not installed, a hook or a
-subclassed module, tracing, a dispatch mode, the profiler, a weight the kernels do not serve),
-`block_step` answers None and the block runs op by op, as before."""
+Where anything differs from that case (fp32, not installed, a hook or a subclassed module,
+attention split across ranks, tracing, a dispatch mode, the profiler, a weight the kernels do
+not serve), `block_step` answers None and the block runs op by op, as before."""
 from __future__ import annotations
 
 import torch
@@ -18,11 +19,34 @@ from torch.autograd.function import once_differentiable
 
 from . import served
 from .attention import attention_qkv_backward_impl, attention_qkv_impl
-from .autocast import (gelu_linear_backward_impl, linear_backward_impl, linear_gelu_train_impl, linear_impl,
-                       linear_served, unhooked, weights_served)
+from .autocast import (gelu_linear_backward_impl, linear_backward_impl, linear_gelu_impl,
+                       linear_gelu_train_impl, linear_impl, linear_served, unhooked, weights_served)
 from .direct import unwatched
 
 _BF16 = torch.bfloat16
+
+
+def _forward(x, h, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_n, scale_n,
+             wq, bq, wp, bp, w1, b1, w2, b2, heads, eps, gres_ln_impl, train):
+    """(x', h', what the backward reads or None): the block's ops' implementations in the order
+    DiT._chained calls them; in training fc1 also writes its pre-activation for GELU's backward."""
+    B, T, D = x.shape
+    h2 = h.reshape(B * T, D)
+    qkv = linear_impl(h2, wq, bq)
+    att, lse = attention_qkv_impl(qkv.view(B, T, 3 * D), heads, None)
+    att2 = att.reshape(B * T, D)
+    a = linear_impl(att2, wp, bp)
+    x1, hm, mean1, rstd1 = gres_ln_impl(x, a.view(B, T, D), gate_msa, scale_mlp, shift_mlp, eps)
+    hm2 = hm.view(B * T, D)
+    if train:
+        g, pre = linear_gelu_train_impl(hm2, w1, b1)
+    else:
+        g, pre = linear_gelu_impl(hm2, w1, b1), None
+    m = linear_impl(g, w2, b2)
+    x2, hn, mean2, rstd2 = gres_ln_impl(x1, m.view(B, T, D), gate_mlp, scale_n, shift_n, eps)
+    saved = ((h2, qkv, att2, lse, a, x1, mean1, rstd1, hm2, g, pre, m, x2, mean2, rstd2,
+              gate_msa, scale_mlp, gate_mlp, scale_n, wq, wp, w1, w2) if train else None)
+    return x2, hn, saved
 
 
 class _Block(torch.autograd.Function):
@@ -35,20 +59,9 @@ class _Block(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, h, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_n, scale_n,
                 wq, bq, wp, bp, w1, b1, w2, b2, heads, eps, norm):
-        gres_ln_impl = norm[0]
-        B, T, D = x.shape
-        h2 = h.reshape(B * T, D)
-        qkv = linear_impl(h2, wq, bq)
-        att, lse = attention_qkv_impl(qkv.view(B, T, 3 * D), heads, None)
-        att2 = att.reshape(B * T, D)
-        a = linear_impl(att2, wp, bp)
-        x1, hm, mean1, rstd1 = gres_ln_impl(x, a.view(B, T, D), gate_msa, scale_mlp, shift_mlp, eps)
-        hm2 = hm.view(B * T, D)
-        g, pre = linear_gelu_train_impl(hm2, w1, b1)
-        m = linear_impl(g, w2, b2)
-        x2, hn, mean2, rstd2 = gres_ln_impl(x1, m.view(B, T, D), gate_mlp, scale_n, shift_n, eps)
-        ctx.save_for_backward(h2, qkv, att2, lse, a, x1, mean1, rstd1, hm2, g, pre, m, x2, mean2, rstd2,
-                              gate_msa, scale_mlp, gate_mlp, scale_n, wq, wp, w1, w2)
+        x2, hn, saved = _forward(x, h, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_n, scale_n,
+                                 wq, bq, wp, bp, w1, b1, w2, b2, heads, eps, norm[0], True)
+        ctx.save_for_backward(*saved)
         ctx.heads, ctx.norm_backward = heads, norm[1]
         return x2, hn
 
@@ -110,14 +123,16 @@ def _served_here(x, h, mods, lins) -> bool:
 
 
 def block_step(block, x, h, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_n, scale_n, eps, *, norm):
-    """(x', h') of one DiT block in bf16 training as one autograd node, or None where the block
-    should run op by op (see the module's doc). norm: (gated residual + LayerNorm + modulate,
+    """(x', h') of one DiT block under autocast bf16 as one call (in training one autograd
+    node), or None where the block should run op by op (see the module's doc). norm: (gated residual + LayerNorm + modulate,
     its backward), the implementations (ops.gres_ln_impl, ops.gres_ln_backward_impl)."""
     mods = (gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_n, scale_n)
     lins = (block.attn.qkv, block.attn.proj, block.mlp.fc1, block.mlp.fc2)
     params = [t for lin in lins for t in (lin.weight, lin.bias)]
-    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, h, *mods, *params))):
-        return None
     if not (unwatched() and _plain_block(block) and _served_here(x, h, mods, lins)):
         return None
-    return _Block.apply(x, h, *mods, *params, int(block.attn.heads), float(eps), tuple(norm))
+    heads, eps = int(block.attn.heads), float(eps)
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, h, *mods, *params))):
+        # sampling: nothing to record, the same implementations without the autograd node
+        return _forward(x, h, *mods, *params, heads, eps, norm[0], False)[:2]
+    return _Block.apply(x, h, *mods, *params, heads, eps, tuple(norm))
