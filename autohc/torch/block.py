@@ -53,8 +53,8 @@ class _Block(torch.autograd.Function):
     """(x, h, the block's gate_msa, shift_mlp, scale_mlp, gate_mlp, the next LayerNorm's shift
     and scale, the four Linears' weights and biases) -> (x', h'): x' the block's residual
     stream (fp32), h' = the next LayerNorm + modulate of it (bf16). `norm`: the gated residual +
-    LayerNorm + modulate's implementation and its backward's (torch/ops.py's, passed in: ops.py
-    is the module that offers this one)."""
+    LayerNorm + modulate's implementation and its backward's, the one that also sums y's bias
+    gradient (torch/ops.py's, passed in: ops.py is the module that offers this one)."""
 
     @staticmethod
     def forward(ctx, x, h, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_n, scale_n,
@@ -70,17 +70,19 @@ class _Block(torch.autograd.Function):
     def backward(ctx, dx2, dhn):
         (h2, qkv, att2, lse, a, x1, mean1, rstd1, hm2, g, pre, m, x2, mean2, rstd2,
          gate_msa, scale_mlp, gate_mlp, scale_n, wq, wp, w1, w2) = ctx.saved_tensors
-        need, gres_ln_backward_impl = ctx.needs_input_grad, ctx.norm_backward
+        need, gres_ln_backward = ctx.needs_input_grad, ctx.norm_backward
         B, T, D = x2.shape
         # (the order of the ops' own backwards: second gated residual + norm, MLP, first, proj,
         # attention, qkv)
-        dx1, dm, dgate_mlp, dscale_n, dshift_n = gres_ln_backward_impl(
+        # (the gated residual's backward writes proj's and fc2's output gradients and sums them
+        # for their biases as it does)
+        dx1, dm, dgate_mlp, dscale_n, dshift_n, db2 = gres_ln_backward(
             dhn.to(_BF16), dx2, x2, m.view(B, T, D), gate_mlp, scale_n, mean2, rstd2)
-        d, dw2, db2 = gelu_linear_backward_impl(dm.view(B * T, D), g, pre, w2, need[14], need[15])
+        d, dw2, _ = gelu_linear_backward_impl(dm.view(B * T, D), g, pre, w2, need[14], False)
         dhm, dw1, db1 = linear_backward_impl(d, hm2, w1, True, need[12], need[13])
-        dx, da, dgate_msa, dscale_mlp, dshift_mlp = gres_ln_backward_impl(
+        dx, da, dgate_msa, dscale_mlp, dshift_mlp, dbp = gres_ln_backward(
             dhm.view(B, T, D), dx1, x1, a.view(B, T, D), gate_msa, scale_mlp, mean1, rstd1)
-        datt, dwp, dbp = linear_backward_impl(da.view(B * T, D), att2, wp, True, need[10], need[11])
+        datt, dwp, _ = linear_backward_impl(da.view(B * T, D), att2, wp, True, need[10], False)
         dqkv = attention_qkv_backward_impl(datt.view(B, T, D), qkv.view(B, T, 3 * D), att2.view(B, T, D), lse,
                                        ctx.heads, None)
         dh, dwq, dbq = linear_backward_impl(dqkv.view(B * T, 3 * D), h2, wq, need[1], need[8], need[9])
@@ -124,8 +126,9 @@ def _served_here(x, h, mods, lins) -> bool:
 
 def block_step(block, x, h, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_n, scale_n, eps, *, norm):
     """(x', h') of one DiT block under autocast bf16 as one call (in training one autograd
-    node), or None where the block should run op by op (see the module's doc). norm: (gated residual + LayerNorm + modulate,
-    its backward), the implementations (ops.gres_ln_impl, ops.gres_ln_backward_impl)."""
+    node), or None where the block should run op by op (see the module's doc). norm: (gated
+    residual + LayerNorm + modulate, its backward with y's bias gradient), the implementations
+    (ops.gres_ln_impl, ops.gres_ln_backward_bias_impl)."""
     mods = (gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_n, scale_n)
     lins = (block.attn.qkv, block.attn.proj, block.mlp.fc1, block.mlp.fc2)
     params = [t for lin in lins for t in (lin.weight, lin.bias)]

@@ -532,10 +532,21 @@ def _(x, y, gate, scale, shift, eps):
 
 
 def gres_ln_backward_impl(dh: torch.Tensor, gout: torch.Tensor | None, out: torch.Tensor, y: torch.Tensor,
-                      gate: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor,
-                      rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                          gate: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor,
+                          rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx fp32, dy, dgate, dscale, dshift) of gated_residual_norm for the gradients dh of h and
     gout of out (None: out not used further); dy, dgate, dscale, dshift in y's dtype, sums in fp32."""
+    return _gres_ln_grads(dh, gout, out, y, gate, scale, mean, rstd, False)[:5]
+
+
+def gres_ln_backward_bias_impl(dh, gout, out, y, gate, scale, mean, rstd):
+    """gres_ln_backward_impl's five gradients and a sixth: the bias gradient of the Linear whose
+    output y is, dy summed over every row (float32 (D,), rounded to y's dtype first, as
+    autocast's addmm backward sums its bf16 dY), taken as the kernel writes dy."""
+    return _gres_ln_grads(dh, gout, out, y, gate, scale, mean, rstd, True)
+
+
+def _gres_ln_grads(dh, gout, out, y, gate, scale, mean, rstd, bias: bool):
     B, T, D = out.shape
     bf16 = y.dtype == torch.bfloat16
     kernel = "gres_ln_mod_bwd_bf16" if bf16 else "gres_ln_mod_bwd"
@@ -549,9 +560,12 @@ def gres_ln_backward_impl(dh: torch.Tensor, gout: torch.Tensor | None, out: torc
             dx = _fresh_like(oc)
             dy = _fresh_like(oc, y.dtype)
             dgate, dscale, dshift = torch.empty(B, D), torch.empty(B, D), torch.empty(B, D)
-            fn(*(_ptr(ffi, t) for t in (dhc, goc, oc, sc, mean, rstd, yc, gc, dx, dy, dgate, dscale, dshift)),
+            dbias = torch.empty(B, D) if bias else None     # (per sample: summed below)
+            fn(*(_ptr(ffi, t) for t in (dhc, goc, oc, sc, mean, rstd, yc, gc, dx, dy, dgate, dscale, dshift,
+                                        dbias)),
                B, D, T, B * T, kernel_threads())
-            return dx, dy, dgate.to(y.dtype), dscale.to(y.dtype), dshift.to(y.dtype)
+            db = dbias.sum(0).to(y.dtype).float() if bias else None
+            return dx, dy, dgate.to(y.dtype), dscale.to(y.dtype), dshift.to(y.dtype), db
         except fallback.FAILURES as e:
             fallback.report(e, "gated_residual_norm_backward")
     # the LayerNorm's own backward, then the residual's and the gate's (no autograd here)
@@ -559,8 +573,9 @@ def gres_ln_backward_impl(dh: torch.Tensor, gout: torch.Tensor | None, out: torc
                                      True, True)
     if gout is not None:
         dx = dx + gout
-    return (dx, (dx * gate.float()[:, None, :]).to(y.dtype), (dx * y.float()).sum(1).to(y.dtype),
-            dscale.to(y.dtype), dshift.to(y.dtype))
+    dy = (dx * gate.float()[:, None, :]).to(y.dtype)
+    return (dx, dy, (dx * y.float()).sum(1).to(y.dtype), dscale.to(y.dtype), dshift.to(y.dtype),
+            dy.reshape(-1, D).sum(0).float() if bias else None)
 
 
 _gres_ln_bwd = torch.library.custom_op("autohc::gated_residual_norm_backward", mutates_args=())(gres_ln_backward_impl)
@@ -649,7 +664,7 @@ def _modulations(c: torch.Tensor, adaln: list) -> list:
 def _block(block, x, h, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_n, scale_n, eps):
     from .block import block_step
     return block_step(block, x, h, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_n, scale_n, eps,
-                      norm=(gres_ln_impl, gres_ln_backward_impl))
+                      norm=(gres_ln_impl, gres_ln_backward_bias_impl))
 
 
 FUSED = FusedOps(layernorm_modulate, gated_residual, _qkv_attention, _linear_gelu, _mlp,
