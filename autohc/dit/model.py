@@ -16,8 +16,10 @@ MLP's fc1 and GELU are one call (one kernel when sampling in bf16), and where it
 GELU's derivative in fc2's input-gradient kernel), and where it has `gated_residual_norm(x, y,
 gate, scale, shift, eps)` (FUSED has), each gated residual and the LayerNorm + modulate after it
 are one op, the blocks run as one chain (DiT._chained), and where it also has `modulations(c,
-adaLN_modulation modules)` (FUSED has), every block's adaLN Linear is one op; without them, plain
-torch, the same results to float32 rounding.
+adaLN_modulation modules)` (FUSED has), every block's adaLN Linear is one op, where it has
+`block(...)` (FUSED has), a whole block is one call where that is the same thing, and where it
+has `patch_embed(x, conv)` (FUSED has), the patch embedding may run as a GEMM; without them,
+plain torch, the same results to float32 rounding.
 """
 from __future__ import annotations
 
@@ -80,8 +82,12 @@ class PatchEmbed(nn.Module):
         self.grid = img_size // patch
         self.num_patches = self.grid ** 2
         self.proj = nn.Conv2d(in_chans, dim, kernel_size=patch, stride=patch, bias=True)
+        self.fused = None           # the fused operators, set by DiT.use_fused_ops
 
     def forward(self, x):
+        embed = getattr(self.fused, "patch_embed", None)
+        if embed is not None:
+            return embed(x, self.proj)
         return self.proj(x).flatten(2).transpose(1, 2)
 
 
@@ -234,7 +240,7 @@ class DiT(nn.Module):
         """Run the blocks' LayerNorm + modulate and gated residual on `ops` (e.g. autohc.ops),
         or on plain torch with None."""
         for m in self.modules():
-            if isinstance(m, (DiTBlock, FinalLayer, Attention, Mlp)):
+            if isinstance(m, (DiTBlock, FinalLayer, Attention, Mlp, PatchEmbed)):
                 m.fused = ops
         return self
 

@@ -415,6 +415,33 @@ def mlp_fn(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch
     return torch.nn.functional.linear(linear_gelu_fn(x, w1, b1), w2, b2)
 
 
+def patch_embed(x: torch.Tensor, conv: torch.nn.Module) -> torch.Tensor:
+    """conv(x).flatten(2).transpose(1, 2): DiT's patch embedding (a FusedOps field), a p x q
+    convolution with stride (p, q) over (B, C, H, W) images, as (B, tokens, D). Under install()
+    and autocast bf16, one GEMM on the images' patches (a (B * tokens, C p q) copy of x, the
+    weight seen as (D, C p q)): autohc's bf16 kernel instead of oneDNN's convolution, products
+    summed in fp32 in another order (within a bf16 rounding of the conv). Elsewhere (fp32, not
+    installed, a hooked or subclassed conv, padding, dilation, groups) exactly the conv."""
+    if (torch.is_autocast_enabled("cpu") and served.is_installed() and _plain_patch_conv(conv)
+            and x.dim() == 4 and x.shape[1] == conv.in_channels):
+        B, C, H, W = x.shape
+        p, q = conv.kernel_size
+        if H % p == 0 and W % q == 0:
+            w = conv.weight.reshape(conv.out_channels, C * p * q)
+            patches = x.reshape(B, C, H // p, p, W // q, q).permute(0, 2, 4, 1, 3, 5).reshape(-1, C * p * q)
+            if linear_served(patches, w, conv.bias):
+                return torch.nn.functional.linear(patches, w, conv.bias).view(B, (H // p) * (W // q), -1)
+    return conv(x).flatten(2).transpose(1, 2)
+
+
+def _plain_patch_conv(conv: torch.nn.Module) -> bool:
+    from torch.nn.modules import module
+    return (type(conv) is torch.nn.Conv2d and tuple(conv.stride) == tuple(conv.kernel_size)
+            and tuple(conv.padding) == (0, 0) and tuple(conv.dilation) == (1, 1) and conv.groups == 1
+            and conv.padding_mode == "zeros" and not conv._forward_hooks and not conv._forward_pre_hooks
+            and not module._global_forward_hooks and not module._global_forward_pre_hooks)
+
+
 # what install() registers at the AutocastCPU key (nothing where autocast's own kernel, the
 # way back for what it does not serve, cannot be had)
 AUTOCAST_IMPLS = {"linear": autocast_linear} if STOCK_AUTOCAST_LINEAR is not None else {}

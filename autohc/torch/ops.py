@@ -639,6 +639,8 @@ class FusedOps(NamedTuple):
     # (block, x, h, gate_msa, shift_mlp, scale_mlp, gate_mlp, next shift, next scale, eps) ->
     # (x', h') of a whole block as one autograd node, or None: run it op by op
     block: Callable | None = None
+    # (images, the patch conv) -> conv(images) as (B, tokens, D)
+    patch_embed: Callable | None = None
 
 
 def _qkv_attention(qkv: torch.Tensor, heads: int) -> torch.Tensor:
@@ -667,8 +669,13 @@ def _block(block, x, h, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_n, scale
                       norm=(gres_ln_impl, gres_ln_backward_bias_impl))
 
 
+def _patch_embed(x: torch.Tensor, conv: torch.nn.Module) -> torch.Tensor:
+    from .autocast import patch_embed
+    return patch_embed(x, conv)
+
+
 FUSED = FusedOps(layernorm_modulate, gated_residual, _qkv_attention, _linear_gelu, _mlp,
-                 gated_residual_norm, _modulations, _block)
+                 gated_residual_norm, _modulations, _block, _patch_embed)
 
 
 # ------------------------------------------------- aten CPU kernels for autohc.install()
