@@ -50,7 +50,7 @@ def test_every_saved_result_is_shown_with_its_cpu_code_and_command():
         # later: the model 167 guest went from spr to gnr); an older one says its own
         newest = results_md.newest_cpu([q for q in results if q["cpu"]["fingerprint"] == r["cpu"]["fingerprint"]])
         assert f"## {results_md.cpu_title(newest)}" in page
-        if r["bench"] in ("gemm", "step"):
+        if r["bench"] in ("gemm", "step", "sample"):
             assert f"**{results_md.cpu_title(newest)}** (fingerprint" in readme
         if r["cpu"]["microarch"] != newest["microarch"]:
             assert f"{results_md.ran_under(r)}; file [`results/{r['file']}`]" in page
@@ -202,6 +202,12 @@ def test_render_replaces_only_the_marked_blocks(tmp_path):
               "bf16_speedups": {"autohc-bf16 vs stock-bf16": 1.3 / 1.1, "autohc-bf16 vs stock": 2.0 / 1.1},
               "pct_bf16_peak": {"stock-bf16": 40.0, "autohc-bf16": 50.0}},
      "autohc-bf16 **1.18x stock autocast, 1.82x stock fp32** (1.100 s per step, 50.0 % of the bf16 peak)"),
+    ("sample", {"model": "DiT-XL/2", "batch": 4, "threads": 2, "bf16_unit": "amx",
+                "step_s": {"diffusers-bf16": 1.8, "diffusers-bf16+compile": 1.1, "autohc-bf16": 1.0},
+                "images_per_s": {"diffusers-bf16": 0.044, "diffusers-bf16+compile": 0.073, "autohc-bf16": 0.08},
+                "speedups": {"autohc-bf16 vs diffusers-bf16": 1.8, "autohc-bf16 vs diffusers-bf16+compile": 1.1}},
+     "autohc-bf16 **1.80x diffusers under autocast, 1.10x diffusers compiled (max-autotune, frozen) under "
+     "autocast** (0.080 images/s, 1.000 s per sampler step) (diffusers-bf16 1.800 s, diffusers-bf16+compile 1.100 s)"),
 ])
 def test_summaries_of_the_other_benches(bench, result, shown):
     r = {"bench": bench, "result": result}

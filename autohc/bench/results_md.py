@@ -148,7 +148,23 @@ def summaries(r: dict) -> list[tuple[str, str]]:
         return [(f"DP vs DP+TP vs CFTP, {res['model']} batch {res['batch']}",
                  ", ".join(f"{w['strategy']} {w['step_s']:.3f} s/step, {w['peak_mem_gb']:.2f} GB"
                            for w in res["rows"]))]
+    if bench == "sample" and res.get("speedups"):
+        t = res["step_s"]
+        ratios: dict[str, list[str]] = {}
+        for key, v in res["speedups"].items():
+            mode, base = key.split(" vs ", 1)
+            ratios.setdefault(mode, []).append(f"{_f(v)}x {_SAMPLE_NAMES.get(base, base)}")
+        figure = "; ".join(f"{m} **{', '.join(ratios[m])}** ({res['images_per_s'][m]:.3f} images/s, "
+                           f"{t[m]:.3f} s per sampler step)" for m in sorted(ratios))
+        figure += " (" + ", ".join(f"{m} {t[m]:.3f} s" for m in sorted(t) if m not in ratios) + ")"
+        return [(f"{res['model']} sampling, batch {res['batch']} (x2 for guidance), "
+                 f"{res['threads']} threads, bf16 on {res.get('bf16_unit')}", figure)]
     return [(bench, "(no summary for this bench)")]
+
+
+# the sample bench's baselines in words
+_SAMPLE_NAMES = {"diffusers": "diffusers fp32", "diffusers-bf16": "diffusers under autocast",
+                 "diffusers-bf16+compile": "diffusers compiled (max-autotune, frozen) under autocast"}
 
 
 def _step_order(times: dict) -> list[str]:
@@ -188,9 +204,9 @@ def latest(results) -> list[dict]:
 
 
 def readme_table(results) -> str:
-    """Per CPU, the newest GEMM and training-step results: one line naming the CPU, then a
-    table of figures with their code version, date and command."""
-    rows = [r for r in latest(results) if r["bench"] in ("gemm", "step")]
+    """Per CPU, the newest GEMM, training-step and sampling results: one line naming the CPU,
+    then a table of figures with their code version, date and command."""
+    rows = [r for r in latest(results) if r["bench"] in ("gemm", "step", "sample")]
     if not rows:
         return "(no saved results yet)"
     out = []
@@ -277,6 +293,15 @@ def _details(r: dict) -> list[str]:
         out += [f"| {m} | {t:.3f} | {res['gflops'][m]:.1f} | {res['pct_peak'][m]:.1f} "
                 f"| {_f(res['spread_pct'].get(m), 1)} % |" for m, t in
                 ((m, res["step_s"][m]) for m in _step_order(res["step_s"]))]
+    elif bench == "sample" and res.get("step_s"):
+        out += ["", f"{res['model']}, batch {res['batch']} (x2 for guidance {res.get('cfg')}), "
+                    f"{res['threads']} threads, bf16 on {res.get('bf16_unit')}; median of {res['timed']} "
+                    f"sampler steps, an image = {res['sample_steps']} steps"
+                + (f"; first-use tuning {res['first_use_race_s']:.1f} s of races, untimed"
+                   if res.get("first_use_race_s") else "") + ":", "",
+                "| mode | s/step | s/image | images/s | spread |", "|---|--:|--:|--:|--:|"]
+        out += [f"| {m} | {res['step_s'][m]:.3f} | {res['s_per_image'][m]:.2f} | {res['images_per_s'][m]:.3f} "
+                f"| {_f(res['spread_pct'].get(m), 1)} % |" for m in sorted(res["step_s"])]
     elif bench == "ops":
         out += ["", f"copy bandwidth {res['bandwidth_gbps']:.1f} GB/s in the same run:", "",
                 "| op | shape | ms | torch ms | speedup | GB/s | % of copy bandwidth |",
