@@ -126,7 +126,11 @@ def test_the_block_runs_op_by_op_where_one_node_is_not_the_same_thing(taken):
             _step(whole, x, t, y)
             handle.remove()
             _step(whole, x, t, y)
-    assert taken == [False] * 6 + [ONE, False] + [ONE, ONE]
+            own = type(whole.blocks[0].attn)
+            whole.blocks[0].attn.__class__ = type("Subclassed", (own,), {})    # (not asked at all)
+            _step(whole, x, t, y)
+            whole.blocks[0].attn.__class__ = own
+    assert taken == [False] * 6 + [ONE, False] + [ONE, ONE] + [ONE]
 
 
 def test_a_hooked_block_part_keeps_its_hook_called():

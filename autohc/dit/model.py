@@ -332,8 +332,9 @@ class DiT(nn.Module):
         for i, block in enumerate(self.blocks):
             _, _, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods[i]
             shift, scale = (mods[i + 1][0], mods[i + 1][1]) if i + 1 < len(mods) else (fin_shift, fin_scale)
-            out = None if whole is None else whole(block, x, h, gate_msa, shift_mlp, scale_mlp, gate_mlp,
-                                                   shift, scale, 1e-6)
+            own = type(block.attn) is Attention and type(block.mlp) is Mlp    # (what `whole` runs)
+            out = None if whole is None or not own else whole(block, x, h, gate_msa, shift_mlp, scale_mlp,
+                                                                gate_mlp, shift, scale, 1e-6)
             if out is not None:
                 x, h = out
                 continue

@@ -72,10 +72,9 @@ class _Block(torch.autograd.Function):
          gate_msa, scale_mlp, gate_mlp, scale_n, wq, wp, w1, w2) = ctx.saved_tensors
         need, gres_ln_backward = ctx.needs_input_grad, ctx.norm_backward
         B, T, D = x2.shape
-        # (the order of the ops' own backwards: second gated residual + norm, MLP, first, proj,
-        # attention, qkv)
-        # (the gated residual's backward writes proj's and fc2's output gradients and sums them
-        # for their biases as it does)
+        # (the ops' own backwards in reverse: second gated residual + norm, MLP, first, proj,
+        # attention, qkv; each gated residual's backward also sums the dY it writes, proj's and
+        # fc2's, for their biases)
         dx1, dm, dgate_mlp, dscale_n, dshift_n, db2 = gres_ln_backward(
             dhn.to(_BF16), dx2, x2, m.view(B, T, D), gate_mlp, scale_n, mean2, rstd2)
         d, dw2, _ = gelu_linear_backward_impl(dm.view(B * T, D), g, pre, w2, need[14], False)
@@ -83,21 +82,21 @@ class _Block(torch.autograd.Function):
         dx, da, dgate_msa, dscale_mlp, dshift_mlp, dbp = gres_ln_backward(
             dhm.view(B, T, D), dx1, x1, a.view(B, T, D), gate_msa, scale_mlp, mean1, rstd1)
         datt, dwp, _ = linear_backward_impl(da.view(B * T, D), att2, wp, True, need[10], False)
-        dqkv = attention_qkv_backward_impl(datt.view(B, T, D), qkv.view(B, T, 3 * D), att2.view(B, T, D), lse,
-                                       ctx.heads, None)
+        dqkv = attention_qkv_backward_impl(datt.view(B, T, D), qkv.view(B, T, 3 * D), att2.view(B, T, D),
+                                           lse, ctx.heads, None)
         dh, dwq, dbq = linear_backward_impl(dqkv.view(B * T, 3 * D), h2, wq, need[1], need[8], need[9])
         wanted = lambda t, i: t if need[i] else None
-        return (wanted(dx, 0), wanted(dh.view(B, T, D), 1) if need[1] else None,
+        return (wanted(dx, 0), dh.view(B, T, D) if need[1] else None,
                 wanted(dgate_msa, 2), wanted(dshift_mlp, 3), wanted(dscale_mlp, 4), wanted(dgate_mlp, 5),
                 wanted(dshift_n, 6), wanted(dscale_n, 7), wanted(dwq, 8), wanted(dbq, 9), wanted(dwp, 10),
                 wanted(dbp, 11), wanted(dw1, 12), wanted(db1, 13), wanted(dw2, 14), wanted(db2, 15), None, None, None)
 
 
 def _plain_block(block) -> bool:
-    """block's attention and MLP are dit.model's, nothing hooked, nothing split across ranks."""
+    """Nothing hooked on block's attention, MLP or Linears, nothing split across ranks (that
+    they are dit.model's Attention and Mlp is the caller's to know: DiT._chained asks only then)."""
     attn, mlp = block.attn, block.mlp
-    return (type(attn).__name__ == "Attention" and type(mlp).__name__ == "Mlp"
-            and attn.token_split is None
+    return (attn.token_split is None
             and not any(mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks
                         or mod._backward_pre_hooks for mod in (attn, mlp))
             and all(unhooked(lin) for lin in (attn.qkv, attn.proj, mlp.fc1, mlp.fc2)))
