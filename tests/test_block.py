@@ -180,3 +180,21 @@ def test_the_bias_gradient_summed_in_the_gated_residual_backward(dtype, B, T, D)
         _within_a_bf16_rounding(db, ref, "db")
     else:
         assert (db - ref).abs().max() <= 1e-5 * (1 + five[1].abs().sum(1).max()), "db"
+
+
+def test_the_node_saves_through_automems_hooks(tmp_path, taken):
+    """The block node saves what its backward reads with save_for_backward, so AutoMem's saved-
+    tensor hooks see it (offloaded, brought back): the same loss and gradients as without."""
+    from autohc.runtime.automem import AutoMem
+    from autohc.runtime.tiers import FileTier
+    whole, _ = _pair(96, 3, 10)
+    x, t, y = _batch(4, 10)
+    with autohc.installed(first_use_tuning=False), torch.autocast("cpu", dtype=BF):
+        ref, gref = _step(whole, x, t, y)
+        am = AutoMem(FileTier(tmp_path), whole, min_bytes=1 << 12)
+        with am:
+            got, g = _step(whole, x, t, y)
+        am.close()
+    assert taken == [ONE, ONE] * 2
+    assert am.stats["offloaded"] > 0 and torch.equal(got, ref)
+    assert g.keys() == gref.keys() and all(torch.equal(g[n], gref[n]) for n in g)
