@@ -291,7 +291,7 @@ def _check_qkv(qkv: torch.Tensor, heads: int) -> None:
 
 
 def attention_qkv_impl(qkv: torch.Tensor, heads: int,
-                        scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+                       scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, T, H * hd), lse (B, H, T)) of the attention of qkv's q, k, v (the inner
     attention called as a function: this op is what tracing and the profiler see)."""
     B, T, C = qkv.shape
@@ -310,7 +310,7 @@ def _(qkv, heads, scale):
 
 
 def attention_qkv_backward_impl(grad: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor,
-                           lse: torch.Tensor, heads: int, scale: float | None) -> torch.Tensor:
+                                lse: torch.Tensor, heads: int, scale: float | None) -> torch.Tensor:
     """d qkv (B, T, 3 * H * hd, contiguous): the kernel writes dq, dk, dv straight into their
     thirds of it; elsewhere the three gradients of attention_backward, packed."""
     B, T, C = qkv.shape

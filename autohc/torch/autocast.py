@@ -75,7 +75,7 @@ def autocast_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = N
     N, K = w.shape
     x2 = x.to(torch.bfloat16).reshape(-1, K)
     # (w and b are Parameters, which runs_direct refuses by type: they count only for autograd)
-    y = (linear_impl if runs_direct(x2) and not _records_grad(w, b) else linear_fp32w)(x2, w, b)
+    y = (linear_impl if runs_direct(x2) and not records_grad(w, b) else linear_fp32w)(x2, w, b)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], N)
 
 
@@ -201,8 +201,13 @@ _linear_gelu_train.register_autograd(_lg_backward, setup_context=_lg_setup)
 def unhooked(linear: torch.nn.Module) -> bool:
     """A plain nn.Linear whose forward nothing watches or changes (calling F.linear on its
     parameters is then the same as calling it)."""
+    return type(linear) is torch.nn.Linear and _forward_unwatched(linear)
+
+
+def _forward_unwatched(m: torch.nn.Module) -> bool:
+    """No forward hook on m, nor a global one."""
     from torch.nn.modules import module
-    return (type(linear) is torch.nn.Linear and not linear._forward_hooks and not linear._forward_pre_hooks
+    return (not m._forward_hooks and not m._forward_pre_hooks
             and not module._global_forward_hooks and not module._global_forward_pre_hooks)
 
 
@@ -217,7 +222,7 @@ def linear_gelu(x: torch.Tensor, linear: torch.nn.Module) -> torch.Tensor:
     return torch.nn.functional.gelu(linear(x), approximate="tanh")
 
 
-def _records_grad(*ts: torch.Tensor | None) -> bool:
+def records_grad(*ts: torch.Tensor | None) -> bool:
     """Whether autograd records a call on ts (training), as against sampling."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
 
@@ -230,7 +235,7 @@ def linear_gelu_fn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = No
     if torch.is_autocast_enabled("cpu") and served.is_installed() and linear_served(x, w, b):
         N, K = w.shape
         x2 = x.to(torch.bfloat16).reshape(-1, K)
-        if _records_grad(x, w, b):
+        if records_grad(x, w, b):
             y = _linear_gelu_train(x2, w, b)[0]
         else:
             y = (linear_gelu_impl if runs_direct(x2) else _linear_gelu)(x2, w, b)   # (w, b: Parameters)
@@ -402,13 +407,18 @@ def mlp(x: torch.Tensor, fc1: torch.nn.Module, fc2: torch.nn.Module) -> torch.Te
     return fc2(linear_gelu(x, fc1))
 
 
+def second_linear_served(M: int, w1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor | None) -> bool:
+    """fc2 (w2, b2) of an MLP whose fc1 is w1, on M rows, served (fc1 checked by the caller)."""
+    return (w2.dim() == 2 and served.tensor_ok(w2) and w2.shape[1] == w1.shape[0]
+            and weights_served(M, w2, b2))
+
+
 def mlp_fn(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor,
            b2: torch.Tensor | None) -> torch.Tensor:
     """F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2), as mlp on plain Linears'
     parameters (and what install()'s pass over torch.compile graphs puts in place of that)."""
-    if (torch.is_autocast_enabled("cpu") and served.is_installed() and _records_grad(x, w1, b1, w2, b2)
-            and linear_served(x, w1, b1) and w2.dim() == 2 and served.tensor_ok(w2) and w2.shape[1] == w1.shape[0]
-            and weights_served(x.numel() // w1.shape[1], w2, b2)):
+    if (torch.is_autocast_enabled("cpu") and served.is_installed() and records_grad(x, w1, b1, w2, b2)
+            and linear_served(x, w1, b1) and second_linear_served(x.numel() // w1.shape[1], w1, w2, b2)):
         N, K = w2.shape[0], w1.shape[1]
         y = _mlp_train(x.to(torch.bfloat16).reshape(-1, K), w1, b1, w2, b2)[0]
         return y if x.dim() == 2 else y.view(*x.shape[:-1], N)
@@ -435,11 +445,9 @@ def patch_embed(x: torch.Tensor, conv: torch.nn.Module) -> torch.Tensor:
 
 
 def _plain_patch_conv(conv: torch.nn.Module) -> bool:
-    from torch.nn.modules import module
     return (type(conv) is torch.nn.Conv2d and tuple(conv.stride) == tuple(conv.kernel_size)
             and tuple(conv.padding) == (0, 0) and tuple(conv.dilation) == (1, 1) and conv.groups == 1
-            and conv.padding_mode == "zeros" and not conv._forward_hooks and not conv._forward_pre_hooks
-            and not module._global_forward_hooks and not module._global_forward_pre_hooks)
+            and conv.padding_mode == "zeros" and _forward_unwatched(conv))
 
 
 # what install() registers at the AutocastCPU key (nothing where autocast's own kernel, the

@@ -20,7 +20,8 @@ from torch.autograd.function import once_differentiable
 from . import served
 from .attention import attention_qkv_backward_impl, attention_qkv_impl
 from .autocast import (gelu_linear_backward_impl, linear_backward_impl, linear_gelu_impl,
-                       linear_gelu_train_impl, linear_impl, linear_served, unhooked, weights_served)
+                       linear_gelu_train_impl, linear_impl, linear_served, records_grad,
+                       second_linear_served, unhooked)
 from .direct import unwatched
 
 _BF16 = torch.bfloat16
@@ -118,9 +119,7 @@ def _served_here(x, h, mods, lins) -> bool:
         return False
     if not all(linear_served(h, lin.weight, lin.bias) for lin in (qkv, proj, fc1)):
         return False
-    w1, w2 = fc1.weight, fc2.weight
-    return (w2.dim() == 2 and served.tensor_ok(w2) and w2.shape == (D, w1.shape[0])
-            and weights_served(B * T, w2, fc2.bias))
+    return fc2.weight.shape[0] == D and second_linear_served(B * T, fc1.weight, fc2.weight, fc2.bias)
 
 
 def block_step(block, x, h, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_n, scale_n, eps, *, norm):
@@ -134,7 +133,7 @@ def block_step(block, x, h, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_n, s
     if not (unwatched() and _plain_block(block) and _served_here(x, h, mods, lins)):
         return None
     heads, eps = int(block.attn.heads), float(eps)
-    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, h, *mods, *params))):
+    if not records_grad(x, h, *mods, *params):
         # sampling: nothing to record, the same implementations without the autograd node
         return _forward(x, h, *mods, *params, heads, eps, norm[0], False)[:2]
     return _Block.apply(x, h, *mods, *params, heads, eps, tuple(norm))

@@ -498,7 +498,7 @@ def _gres_ln_kernel(x, y, gate, scale, shift) -> str | None:
 
 
 def gres_ln_impl(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor,
-                  shift: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 shift: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, h, mean, rstd): out = x + gate y (fp32), h = LayerNorm(out) (1 + scale) + shift in
     y's dtype, mean and rstd of out's rows (fp32)."""
     B, T, D = x.shape
@@ -637,7 +637,7 @@ class FusedOps(NamedTuple):
     # (c, adaLN_modulation modules) -> [m(c) for each]: every block's modulation at once
     modulations: Callable | None = None
     # (block, x, h, gate_msa, shift_mlp, scale_mlp, gate_mlp, next shift, next scale, eps) ->
-    # (x', h') of a whole block as one autograd node, or None: run it op by op
+    # (x', h') of a whole block as one call (one autograd node in training), or None: run it op by op
     block: Callable | None = None
     # (images, the patch conv) -> conv(images) as (B, tokens, D)
     patch_embed: Callable | None = None
