@@ -175,6 +175,33 @@ def test_a_dead_rank_ends_the_other_with_one_line_and_keeps_checkpoints(tmp_path
     assert torch.load(ckpts[-1], weights_only=False)["step"] >= 2       # what was saved loads
 
 
+# each rank: join, one all-reduce, then load torch._dynamo (as install() does), leave, and name
+# the threads that are left: gloo's would release the all-reduce's tensors during shutdown
+LEAVE = """
+import os, sys, torch, torch.distributed as tdist
+from autohc.runtime import dist
+dist.init()
+tdist.all_reduce(torch.ones(1))
+import torch._dynamo
+dist.shutdown()
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print("threads:", *names)
+"""
+
+
+def test_leaving_the_group_ends_its_threads_even_with_dynamo_loaded_after_joining(tmp_path):
+    port = _port()
+    procs = [subprocess.Popen([sys.executable, "-c", LEAVE], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                                       MASTER_PORT=str(port)))
+             for r in (0, 1)]
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-2000:]
+        threads = [line for line in out.splitlines() if line.startswith("threads:")]
+        assert threads and "gloo" not in threads[0], out + err[-2000:]
+
+
 def test_unreachable_master_is_one_clear_line(tmp_path):
     env = _env(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()),
                AUTOHC_DIST_TIMEOUT="2")           # it gives up after a few times this (5: 13 s)

@@ -113,6 +113,16 @@ def comm_over_mpi(launch: Launch | None = None) -> bool:
     return (launch or discover()).uses_mpi and mpi4py_available()
 
 
+def import_world_defaults() -> None:
+    """Call before init_process_group. torch.distributed.nn.functional's collectives take
+    `group=group.WORLD` as a default argument, evaluated on its first import (torch._dynamo,
+    which install() loads, imports it): imported after init_process_group, it holds the default
+    group past destroy_process_group, so gloo's worker threads outlive it and may release a
+    last collective's tensors while the interpreter shuts down (std::terminate, SIGABRT: 1 exit
+    in 12-25 of `autohc sample` on 2 ranks). Imported first, that default is None."""
+    import torch.distributed.nn  # noqa: F401
+
+
 def init(launch: Launch | None = None) -> Launch:
     """Join the job's gloo process group (a no-op for world 1). LaunchError on a bad
     environment or a rendezvous that does not complete within the timeout."""
@@ -120,6 +130,7 @@ def init(launch: Launch | None = None) -> Launch:
     launch = launch or discover()
     if launch.world == 1 or dist.is_initialized():
         return launch
+    import_world_defaults()
     addr, port = launch.master_addr, launch.master_port
     if comm_over_mpi(launch):
         addr, port = _mpi_rendezvous(launch)
