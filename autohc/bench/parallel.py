@@ -71,14 +71,13 @@ def _worker(strategy: str, model_name: str, batch: int, image_size: int, steps: 
         from ..dit.diffusion import GaussianDiffusion
         from ..dit.train import autohc_ops
         from ..runtime import cftp
-        from ..runtime.dist import import_world_defaults
+        from ..runtime.dist import join_gloo
         from ..torch import dispatch
         from .step import synthetic_batch, synthetic_model
         torch.set_num_threads(threads)
         dispatch.install(threads=threads, first_use_tuning=False)
         if world > 1:
-            import_world_defaults()
-            dist.init_process_group("gloo")
+            join_gloo()
         torch.manual_seed(0)
         model = synthetic_model(model_name, image_size, autohc_ops(True), class_dropout=0.0)
         forward = model

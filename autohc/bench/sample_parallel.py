@@ -31,7 +31,7 @@ def _worker(rank: int, layout: str, ranks: int, spec: dict, store: str, out: str
     from ..dit.diffusion import GaussianDiffusion
     from ..dit.sample import guided_eps
     from ..dit.train import autohc_ops
-    from ..runtime.dist import import_world_defaults
+    from ..runtime.dist import join_gloo
     from ..torch import dispatch as override
     from ..torch.frozen import frozen
     from .sample import random_weights
@@ -39,8 +39,7 @@ def _worker(rank: int, layout: str, ranks: int, spec: dict, store: str, out: str
     world = 1 if layout == "one" else ranks
     torch.set_num_threads(spec["threads"] // world)
     if world > 1:
-        import_world_defaults()
-        tdist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+        join_gloo(init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         torch.manual_seed(0)
         dit = random_weights(synthetic_model(spec["model"], spec["image_size"], autohc_ops(True))).eval()

@@ -113,17 +113,19 @@ def comm_over_mpi(launch: Launch | None = None) -> bool:
     return (launch or discover()).uses_mpi and mpi4py_available()
 
 
-def import_world_defaults() -> None:
-    """Call before init_process_group. torch.distributed.nn.functional's collectives take
-    `group=group.WORLD` as a default argument, evaluated on its first import (torch._dynamo,
-    which install() loads, imports it): imported after init_process_group, it holds the default
-    group past destroy_process_group, so gloo's worker threads outlive it and may release a
-    last collective's tensors while the interpreter shuts down (std::terminate). Imported
-    first, that default is None."""
+def join_gloo(**kwargs) -> None:
+    """torch.distributed.init_process_group("gloo", **kwargs), with torch.distributed.nn imported
+    first: its collectives take `group=group.WORLD` as a default argument, evaluated on its first
+    import (torch._dynamo, which install() loads, imports it). Imported after the group exists,
+    that default holds the group past destroy_process_group, so gloo's worker threads outlive it
+    and may release a last collective's tensors while the interpreter shuts down
+    (std::terminate). Imported first, the default is None."""
+    import torch.distributed as dist
     try:
         import torch.distributed.nn  # noqa: F401
     except ImportError:             # a torch built without it has no such default to hold
         pass
+    dist.init_process_group("gloo", **kwargs)
 
 
 def init(launch: Launch | None = None) -> Launch:
@@ -133,7 +135,6 @@ def init(launch: Launch | None = None) -> Launch:
     launch = launch or discover()
     if launch.world == 1 or dist.is_initialized():
         return launch
-    import_world_defaults()
     addr, port = launch.master_addr, launch.master_port
     if comm_over_mpi(launch):
         addr, port = _mpi_rendezvous(launch)
@@ -142,11 +143,10 @@ def init(launch: Launch | None = None) -> Launch:
     try:
         store = _restart_store(addr, port, launch.world, timeout)
         if store is not None:
-            dist.init_process_group("gloo", store=store, rank=launch.rank, world_size=launch.world,
-                                    timeout=timeout)
+            join_gloo(store=store, rank=launch.rank, world_size=launch.world, timeout=timeout)
         else:
-            dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=launch.rank,
-                                    world_size=launch.world, timeout=timeout)
+            join_gloo(init_method=f"tcp://{addr}:{port}", rank=launch.rank, world_size=launch.world,
+                      timeout=timeout)
     except (RuntimeError, ValueError, OSError) as e:
         first = first_line(e)
         raise LaunchError(f"rank {launch.rank} of {launch.world} could not join the process group "
