@@ -239,3 +239,17 @@ def test_mlp_backward_takes_gelus_derivative_in_fc2s_input_gradient():
                               (dy, g16, h16, w2.detach(), True, True))
     with torch.autocast("cpu", dtype=torch.bfloat16):       # not installed: the two calls
         assert torch.equal(FUSED.mlp(x, fc1, fc2), fc2(torch.nn.functional.gelu(fc1(x), approximate="tanh")))
+
+
+def test_bench_sample_drop_in_modes_run_diffusers_on_autohc():
+    """The +autohc modes: diffusers' own model under install(), its GEMMs on autohc's kernels,
+    its eps that of stock diffusers (fp32: to summation order; bf16: to its rounding)."""
+    from autohc.bench.sample import bench_sample
+    before = served.stats["autohc"]
+    r = bench_sample("DiT-Ti/8", 2, image_size=16, samples=1, warmup=1, sample_steps=10,
+                     modes=["diffusers", "diffusers+autohc", "diffusers-bf16+autohc"], first_use_tuning=False)
+    assert served.stats["autohc"] > before
+    assert r["eps_reference"]["diffusers+autohc"] == r["eps_reference"]["diffusers-bf16+autohc"] == "diffusers"
+    assert r["max_rel_eps_diff"]["diffusers+autohc"] < 1e-4
+    assert r["max_rel_eps_diff"]["diffusers-bf16+autohc"] < 0.1
+    assert set(r["speedups"]) == {"diffusers+autohc vs diffusers", "diffusers-bf16+autohc vs diffusers"}

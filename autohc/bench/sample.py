@@ -3,7 +3,8 @@
 eager, under torch.autocast bf16, torch.compile with freezing under autocast) against autohc
 (its DiT with the fused operators under install(), fp32 and bf16 with frozen weights: what
 `autohc sample` runs), on the same random weights (autohc's converted to diffusers' layout:
-dit/convert.py `to_diffusers`).
+dit/convert.py `to_diffusers`). The `+autohc` modes are the drop-in: diffusers' model unchanged,
+under install() (its Linears, matmuls and SDPA on autohc's kernels, the rest on ATen).
 
 One sample of a mode is one sampler step of a batch: the guided forward (conditional and
 null-class halves in one doubled batch, as DiTPipeline and the reference's forward_with_cfg
@@ -28,8 +29,11 @@ from ..tune import first_use
 from . import timing
 from .step import mode_parts, synthetic_model
 
-MODES = ("diffusers", "diffusers-bf16", "diffusers-bf16+compile", "autohc", "autohc-bf16")
+MODES = ("diffusers", "diffusers-bf16", "diffusers-bf16+compile", "diffusers+autohc", "diffusers-bf16+autohc",
+         "autohc", "autohc-bf16")
 BASELINES = ("diffusers-bf16", "diffusers-bf16+compile", "diffusers")
+# the modes whose speedups over each baseline are reported: autohc's DiT, and diffusers' under install()
+CONTENDERS = ("autohc-bf16", "autohc", "diffusers-bf16+autohc", "diffusers+autohc")
 
 
 def random_weights(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
@@ -83,6 +87,7 @@ class _Mode:
         self.name = name
         base, self.precision = mode_parts(name)
         self.on_autohc = base.startswith("autohc")
+        self.installed = self.on_autohc or base.endswith("+autohc")     # (+autohc: the drop-in)
         C = arch["in_channels"]
         self.install_kw = {"first_use_tuning": first_use_tuning}
         if self.on_autohc:
@@ -103,7 +108,7 @@ class _Mode:
     def context(self):
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.no_grad())
-            if self.on_autohc:
+            if self.installed:
                 stack.enter_context(override.installed(**self.install_kw))
             yield
 
@@ -118,7 +123,7 @@ class _Mode:
             ac_prev = diffusion._at(diffusion.alphas_cumprod, (t - 20).clamp(min=0), x)
             x_prev = ac_prev.sqrt() * x0 + (1 - ac_prev).sqrt() * eps
             dt = time.perf_counter() - t0
-            if self.on_autohc and first_use.enabled():
+            if self.installed and first_use.enabled():
                 first_use.finish_pending()      # untimed: races left by first-use tuning
         if keep:
             self.times.append(dt)
@@ -193,7 +198,7 @@ def _summary(runs, model, batch, image_size, cfg, sample_steps, samples, spent0)
     summary = {r.name: timing.summarize(r.times) for r in runs}
     step_s = {m: t.median for m, t in summary.items()}
     per_image = {m: s * sample_steps / batch for m, s in step_s.items()}
-    speedups = {f"{a} vs {b}": step_s[b] / step_s[a] for a in ("autohc-bf16", "autohc") for b in BASELINES
+    speedups = {f"{a} vs {b}": step_s[b] / step_s[a] for a in CONTENDERS for b in BASELINES
                 if a in step_s and b in step_s}
     isa, isa_why = cpu.bf16_isa()
     return {"model": model, "batch": batch, "image_size": image_size, "cfg": cfg,

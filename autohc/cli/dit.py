@@ -16,7 +16,8 @@ from .argtypes import (non_negative_int, output_dir, output_file, positive_float
 # (autohc train sets torch's OpenMP spin before torch loads); a test keeps the two equal
 STEP_MODES = ("stock", "compiled", "autohc", "autohc+compile",
               "stock-bf16", "compiled-bf16", "autohc-bf16", "autohc-bf16+compile")
-SAMPLE_MODES = ("diffusers", "diffusers-bf16", "diffusers-bf16+compile", "autohc", "autohc-bf16")
+SAMPLE_MODES = ("diffusers", "diffusers-bf16", "diffusers-bf16+compile", "diffusers+autohc",
+                "diffusers-bf16+autohc", "autohc", "autohc-bf16")
 STEP_BF16_MODES = ("stock", "stock-bf16", "compiled-bf16", "autohc-bf16", "autohc-bf16+compile")
 
 TRAIN_EPILOG = """examples:
@@ -286,7 +287,8 @@ exit codes: 0 done, 1 error, 2 bad input / another set's --out / a shard not wri
                                      "latents, 1000 classes: diffusers' DiTTransformer2DModel as users run it (fp32\n"
                                      "eager, under torch.autocast bf16, and torch.compile mode=max-autotune with\n"
                                      "inductor's freezing under autocast) against autohc's DiT on the same weights\n"
-                                     "(fp32, and bf16 with weights rounded once: what `autohc sample` runs).\n"
+                                     "(fp32, and bf16 with weights rounded once: what `autohc sample` runs), and\n"
+                                     "diffusers' model unchanged under autohc.install() (the +autohc modes).\n"
                                      "One sample is one sampler step of a batch (guided forward + fp32 DDIM update),\n"
                                      "the modes interleaved; seconds per image = step x --sample-steps / batch. Each\n"
                                      "bf16 mode's eps is compared with its fp32 form's on the same inputs.",
