@@ -90,7 +90,7 @@ def test_tune_bad_input_exits_2_and_writes_nothing(bad, tmp_path):
 def test_tune_json_then_registry(tmp_path):
     env = {**os.environ, "AUTOHC_CACHE_DIR": str(tmp_path)}
     args = [sys.executable, "-m", "autohc.cli", "tune", "--shape", "64x48", "--m", "64",
-            "--layout", "NT", "--threads", "1", "--trials", "2", "--json"]
+            "--layout", "NT", "--threads", "1", "--trials", "2", "--dtype", "fp32", "--json"]
     r = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout.strip().splitlines()[-1])
@@ -253,7 +253,8 @@ def test_threads_beyond_the_usable_cpus_get_a_note(tmp_path):
     assert oversubscription_note([1, 2, 4], 2).startswith("autohc: note: 4 threads on 2 usable CPUs")
     assert oversubscription_note(3, 1).startswith("autohc: note: 3 threads on 1 usable CPU:")
     r = subprocess.run([sys.executable, "-m", "autohc.cli", "tune", "--shape", "16x16", "--m", "16",
-                        "--layout", "NT", "--trials", "1", "--threads", str(len(os.sched_getaffinity(0)) + 1)],
+                        "--layout", "NT", "--trials", "1", "--dtype", "fp32", "--threads",
+                        str(len(os.sched_getaffinity(0)) + 1)],
                        capture_output=True, text=True, timeout=300,
                        env={**os.environ, "AUTOHC_CACHE_DIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr

@@ -60,7 +60,7 @@ def test_invalid_registry_entry_falls_back_to_default(reg):
 
 
 def test_cli_tune_op(reg, capsys):
-    assert main(["tune", "--op", "gated_residual", "--images", "1", "--threads", "1", "--json"]) == 0
+    assert main(["tune", "--op", "gated_residual", "--images", "1", "--threads", "1", "--dtype", "fp32", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["op"] == "gated_residual" and r["kernel"] == "gated_residual" and r["threads"] == 1
     assert main(["tune", "--op", "adamw", "--images", "1", "--threads", "1"]) == 0
@@ -161,3 +161,30 @@ def test_amx_attention_searches_only_what_its_tiles_read(monkeypatch):
     for k, values in target.space.items():
         if k not in op_tuner.AMX_ATTENTION_KNOBS:
             assert values == [getattr(target.default, k)], k
+
+
+def test_cli_tune_op_auto_tunes_what_training_runs_here(reg, capsys):
+    """--dtype auto (the default): the bf16 form of an op that has one where `autohc train
+    --precision auto` runs bf16, else fp32; an op without a bf16 form (AdamW) in fp32 either way
+    (with --dtype bf16 it is an unknown op). The first line says which and why."""
+    from autohc.dit.precision import resolve
+    here, why = resolve("auto")
+    assert main(["tune", "--op", "gated_residual", "adamw", "--images", "1", "--threads", "1", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.splitlines()[0] == f"autohc tune: {here} ({why}; --dtype fp32 or bf16 to choose)"
+    gres, adamw = (json.loads(line) for line in captured.out.splitlines())
+    assert gres["kernel"] == ("gated_residual_bf16" if here == "bf16" else "gated_residual")
+    assert adamw["kernel"] == "adamw"
+
+
+def test_cli_tune_gemm_auto_takes_the_training_precision(reg, capsys, monkeypatch):
+    """--dtype auto on a GEMM: the precision resolve("auto") gives (here made fp32, so that the
+    suite compiles one small fp32 kernel on every CPU), said on the first line."""
+    from autohc.dit import precision
+    monkeypatch.setattr(precision, "resolve", lambda p, info=None: ("fp32", "auto: a test's CPU"))
+    assert main(["tune", "--shape", "16x16", "--m", "16", "--layout", "NT", "--trials", "1",
+                 "--threads", "1", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.splitlines()[0] == "autohc tune: fp32 (auto: a test's CPU; --dtype fp32 or bf16 to choose)"
+    params = json.loads(captured.out.splitlines()[-1])["params"]
+    assert params.get("dtype", "fp32") == "fp32" and params["isa"] == cpu.best_isa()   # (bf16: amx, avx512bf16)

@@ -115,10 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "a configuration against torch. The best goes to the registry, which "
                     "autohc.matmul consults on every call. A problem already tuned is answered "
                     "from the registry (--force to retune); an interrupted tune resumes.",
-        epilog="examples:\n  autohc tune --shape 1152x4608                 # NT, NN and TN, M = 2048\n"
+        epilog="examples:\n  autohc tune --shape 1152x4608                 # NT, NN and TN, M = 2048, as training runs here\n"
                "  autohc tune --shape 1152x4608 --layout NT --threads 1 --json\n"
                "  autohc tune --model dit-xl --threads 2 --timeout 30\n"
                "  autohc tune --shape 1152x4608 --dtype bf16   # the bf16 kernels vs oneDNN bf16\n"
+               "  autohc tune --shape 1152x4608 --dtype fp32   # the fp32 kernels, on any CPU\n"
                "  autohc tune --shape 1152x1152 --storage postgresql://user@host/db   # a shared study")
     what = tune.add_mutually_exclusive_group(required=True)
     what.add_argument("--shape", type=_shape, metavar="KxN",
@@ -143,12 +144,16 @@ def build_parser() -> argparse.ArgumentParser:
                       help="Optuna storage URL (default: sqlite in the autohc cache)")
     tune.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
     tune.add_argument("--force", action="store_true", help="retune problems already in the registry")
-    tune.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+    tune.add_argument("--dtype", choices=["fp32", "bf16", "auto"], default="auto",
                       help="bf16: the bf16 kernels (bf16 products, fp32 sums) on this CPU's bf16 "
                            "back-end (AMX tiles, else AVX512_BF16; `autohc info` says which), "
                            "raced against torch's bf16 matmul (oneDNN) in the form training "
                            "runs: NT and NN write a bf16 C, TN (the weight gradient) the fp32 dW, "
-                           "where torch's product is cast into it; default fp32")
+                           "where torch's product is cast into it; fp32: the fp32 kernels; auto "
+                           "(default): what `autohc train`'s default --precision auto runs here, "
+                           "bf16 where the CPU multiplies bf16 in hardware, else fp32 (with --op: "
+                           "each op's bf16 form where it has one, the others in fp32); the first "
+                           "line says which and why")
     tune.add_argument("--json", action="store_true", help="one JSON object per problem")
     tune.add_argument("--images", type=positive_int, default=8,
                       help="with --op: DiT-XL/2 tensors for this many images, and for adamw 8M "

@@ -24,8 +24,13 @@ def cmd_tune(args, parser) -> int:
         except StorageError as e:
             parser.error(str(e))
     threads = args.threads or cpu.detect().cores
+    auto = args.dtype == "auto"
+    if auto:            # the precision `autohc train --precision auto` would run here
+        from ..dit.precision import resolve
+        args.dtype, why = resolve("auto")
+        print(f"autohc tune: {args.dtype} ({why}; --dtype fp32 or bf16 to choose)", file=sys.stderr)
     if args.op:
-        return _tune_ops(args, threads)
+        return _tune_ops(args, threads, auto)
     if args.model:
         problems = dit_problems(args.model, max(1, args.m // 256))
     else:
@@ -93,22 +98,26 @@ def cmd_tune(args, parser) -> int:
     return 0
 
 
-def _tune_ops(args, threads: int) -> int:
+def _tune_ops(args, threads: int, auto: bool = False) -> int:
+    """auto (resolved to args.dtype): every op, in bf16 where it has a bf16 form and args.dtype
+    is bf16, else in fp32; otherwise only the ops of args.dtype."""
     from ..tune.ops import BF16_OPS, OP_KERNELS, tune_op
-    known = list(BF16_OPS) if args.dtype == "bf16" else [*OP_KERNELS, "attention"]
+    known = list(BF16_OPS) if args.dtype == "bf16" and not auto else [*OP_KERNELS, "attention"]
+    dtype_of = {n: "bf16" if args.dtype == "bf16" and n in BF16_OPS else "fp32" for n in known}
     names = known if args.op == ["all"] else args.op
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(f"unknown op {unknown}; one of {', '.join(known)} or all")
     say = None if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
     for name in names:
+        dtype = dtype_of[name]
         r = tune_op(name, threads, images=args.images, timeout=args.timeout, seed=args.seed, progress=say,
-                    dtype=args.dtype)
+                    dtype=dtype)
         if args.json:
             print(json.dumps(r))
         else:
             knobs = " ".join(f"{k} {v}" for k, v in r["params"].items() if k != "isa")
-            print(f"{name}{' bf16' if args.dtype == 'bf16' else ''}: {knobs} ({r['params']['isa']}), {r['ms']:.2f} ms, "
+            print(f"{name}{' bf16' if dtype == 'bf16' else ''}: {knobs} ({r['params']['isa']}), {r['ms']:.2f} ms, "
                   f"torch {r['torch_ms']:.2f} ms, {r['speedup_vs_torch']:.2f}x, {r['trials']} trials "
                   f"-> registry")
     return 0
