@@ -13,6 +13,7 @@ import torch
 
 import autohc
 from autohc.cli import main
+from cli_errors import one_line_exit_2
 from autohc.dit import DiT, checkpoint
 from autohc.dit import data as datalib
 from autohc.dit.diffusion import GaussianDiffusion
@@ -338,7 +339,8 @@ def test_train_cli_sample_and_eval(tmp_path, capsys):
                  "--steps", "2", "--cfg", "3", "--out", str(grid)]) == 0
     w, h = Image.open(grid).size
     assert w > 2 * h                                     # 2 rows of 5
-    assert main(["sample", "--ckpt", str(out), "--classes", "12", "--out", str(grid)]) == 1
+    capsys.readouterr()
+    assert main(["sample", "--ckpt", str(out), "--classes", "12", "--out", str(grid)]) == 2
     assert "out of range" in capsys.readouterr().err
     ddpm = tmp_path / "ddpm.png"                         # DDPM on 3 of the 1000 steps
     assert main(["sample", "--ckpt", str(out), "--classes", "1", "--per-class", "2", "--sampler", "ddpm",
@@ -350,6 +352,35 @@ def test_train_cli_sample_and_eval(tmp_path, capsys):
     assert main(["eval", "--ckpt", str(out), "--per-class", "3", "--sample-steps", "2", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["samples"] == 30 and 0 <= r["class_match"] <= 1 and r["frechet"] > 0
+    _bad_inputs_of_sample_eval_compare_train(out, tmp_path, capsys)
+
+
+def _bad_inputs_of_sample_eval_compare_train(run, tmp_path, capsys):
+    """Each a one-line error, exit 2, said before any sampling or training, nothing written."""
+    png, saved = tmp_path / "bad.png", tmp_path / "saved"
+    empty, text = tmp_path / "empty.pt", tmp_path / "text.pt"
+    empty.write_bytes(b"")
+    text.write_text("not a checkpoint\n")
+    assert "GiB available" in one_line_exit_2(
+        capsys, ["sample", "--ckpt", str(run), "--per-class", "999999999", "--out", str(png)], png)
+    assert "GiB available" in one_line_exit_2(
+        capsys, ["eval", "--ckpt", str(run), "--per-class", "99999999999"])
+    # a pixel model with a --vae that cannot load: refused before the samples are drawn
+    assert "AutoencoderKL" in one_line_exit_2(
+        capsys, ["sample", "--ckpt", str(run), "--vae", str(tmp_path / "no-vae"), "--out", str(png)], png)
+    assert "an empty file" in one_line_exit_2(capsys, ["eval", "--ckpt", str(empty)])
+    assert "not a loadable" in one_line_exit_2(capsys, ["sample", "--ckpt", str(text), "--out", str(png)], png)
+    assert "two run folders" in one_line_exit_2(capsys, ["compare", str(run), "--save", str(saved)], saved)
+    assert "no such checkpoint" in one_line_exit_2(
+        capsys, ["compare", str(run), str(tmp_path / "none"), "--save", str(saved)], saved)
+    assert "not a loadable" in one_line_exit_2(capsys, ["compare", str(run), str(text)])
+    new = tmp_path / "new-run"
+    train = ["train", "--model", "DiT-Ti/8", "--steps", "1", "--out", str(new), "--no-progress"]
+    assert "not a directory" in one_line_exit_2(capsys, [*train, "--data", f"folder:{tmp_path / 'none'}"], new)
+    assert "expected digits" in one_line_exit_2(capsys, [*train, "--data", "bogus"], new)
+    assert "--image-size" in one_line_exit_2(capsys, [*train, "--data", "digits", "--image-size", "16"], new)
+    assert "--channels" in one_line_exit_2(capsys, [*train, "--data", "digits", "--channels", "1"], new)
+    assert "--automem TIER" in one_line_exit_2(capsys, [*train, "--data", "digits", "--automem-state"], new)
 
 
 def test_compare_runs_fp32_vs_bf16(tmp_path, capsys):
@@ -377,9 +408,9 @@ def test_compare_runs_fp32_vs_bf16(tmp_path, capsys):
     from autohc.bench.results_md import readme_fidelity, summaries
     rec = load(tmp_path / "res")
     assert "| bf16 |" in readme_fidelity(rec) and "class match" in summaries(rec[0])[0][1]
-    assert main(["compare", runs[0]]) == 1
+    assert main(["compare", runs[0]]) == 2
     assert "two run folders" in capsys.readouterr().err
-    assert main(["compare", runs[0], str(tmp_path / "nothing")]) == 1
+    assert main(["compare", runs[0], str(tmp_path / "nothing")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "nothing" in err
 
@@ -395,7 +426,7 @@ def test_generate_shapes():
 
 def test_cli_bad_data_is_one_line(tmp_path, capsys):
     assert main(["train", "--data", f"npy:{tmp_path / 'none.npy'}", "--out", str(tmp_path),
-                 "--no-progress"]) == 1
+                 "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "none.npy: no such file" in err
     assert main(["sample", "--ckpt", str(tmp_path / "nothing")]) == 2       # a bad file: exit 2

@@ -15,6 +15,7 @@ import torch
 diffusers = pytest.importorskip("diffusers", reason="the latent workflow needs diffusers: pip install -e '.[latent]'")
 
 from autohc.cli import main                                     # noqa: E402
+from cli_errors import one_line_exit_2                          # noqa: E402
 from autohc.dit import convert, encode                          # noqa: E402
 from autohc.dit import data as datalib                          # noqa: E402
 from autohc.dit import vae as vaelib                            # noqa: E402
@@ -182,14 +183,14 @@ def test_encode_resume_in_another_precision_is_refused_and_nothing_lost(world, t
     meta_path, lat_path = tmp_path / "part" / "meta.json", tmp_path / "part" / "latents.npy"
     meta, rows = meta_path.read_text(), lat_path.read_bytes()
     assert json.loads(meta)["done"] == 8
-    err = _one_line_exit_2(capsys, [*cmd, "--precision", "bf16"])
+    err = one_line_exit_2(capsys, [*cmd, "--precision", "bf16"])
     assert err == (f"autohc: {tmp_path / 'part'} holds latents encoded in fp32 (this command: bf16): "
                    "pass --precision fp32 to continue it, or another --out"), err
     assert meta_path.read_text() == meta and lat_path.read_bytes() == rows
     old = json.loads(meta)
     del old["precision"]                                # as an encode before --precision wrote it
     meta_path.write_text(json.dumps(old))
-    assert "encoded in fp32" in _one_line_exit_2(capsys, [*cmd, "--precision", "bf16"])
+    assert "encoded in fp32" in one_line_exit_2(capsys, [*cmd, "--precision", "bf16"])
     assert main([*cmd, "--precision", "fp32"]) == 0
     assert json.loads(meta_path.read_text())["precision"] == "fp32"
     assert np.array_equal(np.load(lat_path), np.load(world["lat"] / "latents.npy"))
@@ -358,46 +359,36 @@ def test_finetune_under_data_parallel_resumes_bit_identically(world, tmp_path):
 
 # --------------------------------------------------------------------------- bad inputs
 
-def _one_line_exit_2(capsys, argv, must_not_exist=None):
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert err and "\n" not in err, err
-    if must_not_exist is not None:
-        assert not must_not_exist.exists()
-    return err
-
-
 def test_bad_inputs_are_one_line_exit_2_nothing_written(world, tmp_path, capsys):
     vae, out = str(world["vae"]), tmp_path / "out"
     enc = ["encode", "--vae", vae, "--out", str(out)]
-    assert "not a directory" in _one_line_exit_2(capsys, [*enc, "--data", f"folder:{tmp_path / 'none'}"], out)
+    assert "not a directory" in one_line_exit_2(capsys, [*enc, "--data", f"folder:{tmp_path / 'none'}"], out)
     mixed = _images(tmp_path / "mixed", [(16, 16), (20, 16)])
-    assert "--image-size" in _one_line_exit_2(capsys, [*enc, "--data", f"folder:{mixed}"], out)
-    assert "AutoencoderKL" in _one_line_exit_2(
+    assert "--image-size" in one_line_exit_2(capsys, [*enc, "--data", f"folder:{mixed}"], out)
+    assert "AutoencoderKL" in one_line_exit_2(
         capsys, ["encode", "--data", f"folder:{world['imgs']}", "--vae", str(world["imgs"]), "--out", str(out)], out)
-    assert "AutoencoderKL" in _one_line_exit_2(
+    assert "AutoencoderKL" in one_line_exit_2(
         capsys, ["encode", "--data", f"folder:{world['imgs']}", "--vae", str(tmp_path / "no-vae"), "--out", str(out)], out)
     (tmp_path / "pickled.pt").write_bytes(b"")
     torch.save({"w": torch.zeros(1), "evil": ValueError("x")}, tmp_path / "pickled.pt")
     (tmp_path / "torn.pt").write_bytes(b"\x80\x04not a checkpoint")
     dst = tmp_path / "dst.pt"
-    assert "pickled Python object" in _one_line_exit_2(
+    assert "pickled Python object" in one_line_exit_2(
         capsys, ["convert", str(tmp_path / "pickled.pt"), str(dst), "--to", "autohc"], dst)
-    assert "not a loadable checkpoint" in _one_line_exit_2(
+    assert "not a loadable checkpoint" in one_line_exit_2(
         capsys, ["convert", str(tmp_path / "torn.pt"), str(dst), "--to", "dit"], dst)
     torch.save({"a": torch.zeros(2)}, tmp_path / "other.pt")
-    assert "not a DiT state dict" in _one_line_exit_2(
+    assert "not a DiT state dict" in one_line_exit_2(
         capsys, ["convert", str(tmp_path / "other.pt"), str(dst), "--to", "dit"], dst)
     run = tmp_path / "run"
     train = ["train", "--data", f"latents:{world['lat']}", "--out", str(run), "--no-progress", "--steps", "1"]
-    assert "pickled Python object" in _one_line_exit_2(capsys, [*train, "--init", str(tmp_path / "pickled.pt")], run)
+    assert "pickled Python object" in one_line_exit_2(capsys, [*train, "--init", str(tmp_path / "pickled.pt")], run)
     ref = tmp_path / "ref.pt"
     assert main(["convert", str(world["run"]), str(ref), "--to", "dit"]) == 0
-    assert "not the --model DiT-S/2" in _one_line_exit_2(capsys, [*train, "--init", str(ref), "--model", "DiT-S/2"], run)
-    assert "the data is 1 x 8 x 8" in _one_line_exit_2(
+    assert "not the --model DiT-S/2" in one_line_exit_2(capsys, [*train, "--init", str(ref), "--model", "DiT-S/2"], run)
+    assert "the data is 1 x 8 x 8" in one_line_exit_2(
         capsys, ["train", "--data", "digits", "--out", str(run), "--init", str(ref), "--no-progress"], run)
-    assert "no meta.json" in _one_line_exit_2(
+    assert "no meta.json" in one_line_exit_2(
         capsys, ["train", "--data", f"latents:{world['imgs']}", "--out", str(run), "--no-progress"], run)
 
 

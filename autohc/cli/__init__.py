@@ -413,13 +413,13 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - one clear line, not a traceback, for known errors
         from ..build import BuildError
         from ..build.cache import CacheDirError
-        from ..dit.data import DataError, InputError
+        from ..dit.data import InputError
         from ..kernels.family import ParamError
         if isinstance(e, InputError):   # a file or folder that is not what it should be
             print(f"autohc: {e}", file=sys.stderr)
             return 2
         from ..kernels.gemm.kernel import KernelError
-        if isinstance(e, (BuildError, ParamError, KernelError, DataError, CacheDirError)) or (
+        if isinstance(e, (BuildError, ParamError, KernelError, CacheDirError)) or (
                 isinstance(e, ValueError) and args.command in ("info", "train", "sample", "eval", "compare", "bench", "tune")):
             print(f"autohc: {e}", file=sys.stderr)
             return 1

@@ -168,7 +168,7 @@ def add_parsers(sub, bsub) -> None:
     t.add_argument("--seed", type=int, default=0, help="seed of init, data order and noise (default: 0)")
     t.add_argument("--threads", type=positive_int, default=None, help="threads (default: every usable CPU)")
     t.add_argument("--image-size", type=positive_int, default=None, help="resize folder images / synthetic size")
-    t.add_argument("--channels", type=positive_int, default=3, help="synthetic data channels (default: 3)")
+    t.add_argument("--channels", type=positive_int, default=None, help="synthetic data channels (default: 3)")
     t.add_argument("--class-dropout", type=unit_interval, default=0.1,
                    help="label dropout for classifier-free guidance (default: 0.1)")
     t.add_argument("--learn-sigma", action="store_true",
@@ -400,8 +400,25 @@ def _generate(model, arch, classes, per_class: int, args, progress: bool, precis
                     precision=precision)
 
 
+def _train_conflict(args) -> str | None:
+    """What the options ask that this data or setup cannot do (else None): said, not ignored."""
+    kind = args.data.partition(":")[0]
+    if args.image_size is not None and kind not in ("folder", "synthetic"):
+        return (f"--image-size is for folder: and synthetic data (resized or drawn at that size); "
+                f"--data {args.data} has its own size")
+    if args.channels is not None and kind != "synthetic":
+        return f"--channels is for synthetic data; --data {args.data} has its own channels"
+    if args.automem_state and not args.automem:
+        return "--automem-state needs --automem TIER (the tier the state goes to)"
+    return None
+
+
 def cmd_train(args) -> int:
     import torch
+    conflict = _train_conflict(args)
+    if conflict:
+        print(f"autohc: {conflict}", file=sys.stderr)
+        return 2
     args.recorder = recorder("train", args)     # --save: started before training (fresh or not)
     if args.threads:                    # before install(), which takes the count for its kernels
         torch.set_num_threads(args.threads)
@@ -429,7 +446,7 @@ def _train_in_group(args, launch) -> int:
                       out=args.out, lr=args.lr, weight_decay=args.weight_decay, ema=args.ema,
                       ckpt_every=args.ckpt_every, keep=args.keep, seed=args.seed,
                       autohc=not args.no_autohc, threads=args.threads, image_size=args.image_size,
-                      channels=args.channels, class_dropout=args.class_dropout,
+                      channels=args.channels or 3, class_dropout=args.class_dropout,
                       learn_sigma=args.learn_sigma, sample_steps=_sample_steps(args), cfg=args.cfg,
                       rank=launch.rank, world=launch.world,
                       comm="gloo" if args.no_comm_thread else "thread", log_every=args.log_every,
@@ -445,7 +462,7 @@ def _train_in_group(args, launch) -> int:
         except datalib.InputError as e:
             print(f"autohc: {e}", file=sys.stderr)
             return 2
-        except (datalib.DataError, ValueError) as e:
+        except ValueError as e:
             print(f"autohc: {e}", file=sys.stderr)
             return 1
         trainer.stop = stop
@@ -550,16 +567,18 @@ def cmd_sample(args) -> int:
         print("autohc: --parallel and --parallel-ranks are for a sample set (--num N): a grid is drawn "
               "in one process", file=sys.stderr)
         return 2
-    from ..dit.sample import decode_latents, load_model, save_grid
+    from ..dit.sample import latent_decoder, load_model, save_grid
     out = args.out or "samples.png"
     args.cfg = 2.0 if args.cfg is None else args.cfg
     model, arch, path = load_model(args.ckpt, ema=not args.raw, fused_ops=_fused_ops(args))
     classes = args.classes if args.classes is not None else list(range(min(10, arch["num_classes"])))
+    per_class = args.per_class or 8
+    check_sampling_inputs(arch, classes, per_class)
+    decode = latent_decoder(arch, args.vae)     # a bad --vae: said before any sampling
     prec = _sampling_precision(args)
     with _kernels(args):
-        x, _ = _generate(model, arch, classes, args.per_class or 8, args, progress=True,
-                         precision=prec)
-    save_grid(decode_latents(x, arch, args.vae), len(classes), out)
+        x, _ = _generate(model, arch, classes, per_class, args, progress=True, precision=prec)
+    save_grid(x if decode is None else decode(x), len(classes), out)
     if args.json:
         print(json.dumps({"out": out, "samples": len(x), "ckpt": str(path), "precision": prec}))
     else:
@@ -570,25 +589,51 @@ def cmd_sample(args) -> int:
 def _eval_digits(ckpt, args, progress: bool) -> dict:
     """Digits quality of a checkpoint's samples (autohc eval's figures)."""
     from ..dit.evaluate import evaluate_digits
-    from ..dit.sample import decode_latents, load_model
+    from ..dit.sample import latent_decoder, load_model
     model, arch, path = load_model(ckpt, ema=not args.raw, fused_ops=_fused_ops(args))
-    latent = arch.get("latent")
-    size = latent["image_size"] if latent else arch["input_size"]
-    if (latent is None and arch["in_channels"] != 1) or (size, arch["num_classes"]) != (8, 10):
-        raise ValueError(f"{path}: autohc eval checks digits models (1 x 8 x 8 images, or their latents; "
-                         f"10 classes); this one makes {size} x {size} "
-                         f"{'images through a VAE' if latent else 'images'}, {arch['num_classes']} classes")
+    check_digits_model(arch, path)
+    check_sampling_inputs(arch, list(range(10)), args.per_class)
+    decode = latent_decoder(arch, args.vae)     # a bad --vae: said before any sampling
     prec = _sampling_precision(args)
     with _kernels(args):
         x, y = _generate(model, arch, list(range(10)), args.per_class, args, progress=progress,
                          precision=prec)
-    x = decode_latents(x, arch, args.vae)
+    x = x if decode is None else decode(x)
     if tuple(x.shape[1:]) != (1, 8, 8):
         raise ValueError(f"{path}: the VAE decodes to {tuple(x.shape[1:])}, not 1 x 8 x 8 digits")
     r = evaluate_digits(x, y)
     r.update(ckpt=str(path), sampler=args.sampler, sample_steps=_sample_steps(args), cfg=args.cfg,
              sampling_precision=prec)
     return r
+
+
+def check_sampling_inputs(arch: dict, classes: list[int], per_class: int) -> None:
+    """InputError for classes the model lacks, or more images than memory holds (the sampler
+    keeps a few fp32 copies of the batch), before any sampling."""
+    import psutil
+    from ..dit.data import InputError
+    bad = [c for c in classes if not 0 <= c < arch["num_classes"]]
+    if bad:
+        raise InputError(f"--classes {' '.join(map(str, bad))}: out of range, this model has classes "
+                         f"0..{arch['num_classes'] - 1}")
+    side, latent = arch["input_size"], arch.get("latent")
+    each = 8 * arch["in_channels"] * side * side * 4 + (3 * latent["image_size"] ** 2 * 4 if latent else 0)
+    need = len(classes) * per_class * each
+    have = psutil.virtual_memory().available
+    if need > have:
+        raise InputError(f"--per-class {per_class} x {len(classes)} classes: about {need / 2**30:.1f} GiB "
+                         f"of samples in one batch, {have / 2**30:.1f} GiB available; ask for fewer")
+
+
+def check_digits_model(arch: dict, path) -> None:
+    """InputError unless the model makes digits (what autohc eval and compare score)."""
+    from ..dit.data import InputError
+    latent = arch.get("latent")
+    size = latent["image_size"] if latent else arch["input_size"]
+    if (latent is None and arch["in_channels"] != 1) or (size, arch["num_classes"]) != (8, 10):
+        raise InputError(f"{path}: autohc eval checks digits models (1 x 8 x 8 images, or their latents; "
+                         f"10 classes); this one makes {size} x {size} "
+                         f"{'images through a VAE' if latent else 'images'}, {arch['num_classes']} classes")
 
 
 def cmd_eval(args) -> int:
@@ -610,13 +655,17 @@ def cmd_eval(args) -> int:
 def cmd_compare(args) -> int:
     from ..dit import compare
     from ..torch.threads import kernel_threads
+    from ..dit.data import InputError
     if len(args.runs) < 2:
-        raise ValueError(f"compare: give two run folders or more, got {len(args.runs)}")
-    rec = recorder("compare", args)
+        raise InputError(f"compare: give two run folders or more, got {len(args.runs)}")
     runs = [compare.run_summary(r) for r in args.runs]     # every run readable before sampling
+    for r in runs:                                          # ... and a digits model
+        check_digits_model(r["arch"], r["ckpt"])
+    rec = recorder("compare", args)
     for r in runs:
         if not args.json:
             print(f"autohc: sampling {r['run']} ({r['ckpt']}) for its digits quality", file=sys.stderr)
+        del r["arch"]
         r.update(_eval_digits(r["ckpt"], args, progress=not args.json))
         r["ckpt"] = str(r["ckpt"])
     summary = compare.summarize(runs)

@@ -139,14 +139,27 @@ def save(state: dict, folder: Path, step: int, keep: int = 3) -> Path:
     return final
 
 
+def unloadable(path: Path, e: Exception, what: str = "checkpoint") -> str:
+    """One line on why torch.load refused `path` (its own words for a foreign file can be a
+    bare "EOFError" or "101", so an empty file is named as such)."""
+    try:
+        if path.stat().st_size == 0:
+            return f"{path}: an empty file, not a {what}"
+    except OSError:
+        pass
+    said = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+    why = type(e).__name__ + (f": {said}" if said and said != type(e).__name__ else "")
+    return f"{path}: not a loadable {what} (torch.load: {why})"
+
+
 def load(path: Path) -> dict:
     """One checkpoint file (weights_only: loading never runs code from the file)."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch raises several types for a torn/foreign file
-        raise ValueError(f"{path}: not a loadable autohc checkpoint ({type(e).__name__}: {e})") from None
+        raise InputError(unloadable(path, e, "autohc checkpoint")) from None
     if not isinstance(state, dict) or state.get("format") != "autohc-dit-1":
-        raise ValueError(f"{path}: not an autohc DiT checkpoint")
+        raise InputError(f"{path}: not an autohc DiT checkpoint")
     return state
 
 
@@ -166,8 +179,8 @@ def resolve(path: str | Path) -> tuple[Path, dict]:
     if p.is_dir():
         found = latest(p)
         if found is None:
-            raise ValueError(f"{p}: no loadable checkpoint (ckpt-*.pt) in this folder")
+            raise InputError(f"{p}: no loadable checkpoint (ckpt-*.pt) in this folder")
         return found
     if not p.is_file():
-        raise ValueError(f"{p}: no such checkpoint file or folder")
+        raise InputError(f"{p}: no such checkpoint file or folder")
     return p, load(p)

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from . import checkpoint
+from .data import InputError
 
 SMOOTH_STEPS = 100          # "final loss": the mean over the last this many steps (one is noise)
 
@@ -21,8 +22,8 @@ def run_summary(folder: str | Path) -> dict:
     path, state = checkpoint.resolve(folder)
     cfg, losses = state.get("config", {}), [float(v) for v in state.get("losses", [])]
     if not losses:
-        raise ValueError(f"{folder}: its checkpoint {path.name} has no losses to compare")
-    return {"run": str(folder), "ckpt": str(path), "model": cfg.get("model"),
+        raise InputError(f"{folder}: its checkpoint {path.name} has no losses to compare")
+    return {"run": str(folder), "ckpt": str(path), "arch": state.get("arch", {}), "model": cfg.get("model"),
             "precision": state.get("precision", cfg.get("precision")), "seed": cfg.get("seed"),
             "steps": int(state["step"]), "losses": losses,
             "final_loss": float(np.mean(losses[-SMOOTH_STEPS:]))}

@@ -96,8 +96,7 @@ def _load_pt(p: Path):
         why = re.search(r"WeightsUnpickler error: \s*(.+)", str(e))
         raise CheckpointError(f"{p}: not a loadable checkpoint ({why.group(1).strip() if why else 'UnpicklingError'})") from None
     except Exception as e:  # noqa: BLE001 - torch raises several types for torn/foreign files
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise CheckpointError(f"{p}: not a loadable checkpoint ({type(e).__name__}: {first[:160]})") from None
+        raise CheckpointError(checkpoint.unloadable(p, e)) from None
 
 
 def _load_safetensors(p: Path) -> dict:

@@ -25,13 +25,13 @@ LATENTS_FORMAT = "autohc-latents-1"      # meta.json of an `autohc encode` folde
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
 
 
-class DataError(ValueError):
-    """A data input the trainer cannot use; the message names the file."""
-
-
 class InputError(ValueError):
     """A file or folder given on the command line that is not what it should be (a VAE, a
     checkpoint, a latent data set): one line naming it, exit code 2, nothing written."""
+
+
+class DataError(InputError):
+    """A data input the trainer cannot use (`--data`); the message names the file."""
 
 
 @dataclass

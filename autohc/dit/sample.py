@@ -2,6 +2,7 @@
 trainer writes: a sample grid (one row per class) and the loss curve."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -69,7 +70,8 @@ def generate(model, arch: dict, classes: list[int], *, per_class: int = 8, sampl
         if progress:
             from rich.console import Console
             from rich.progress import Progress
-            with Progress(transient=True, console=Console(stderr=True)) as bar:
+            # (a bar only on a terminal: elsewhere rich leaves an empty line in the log)
+            with Progress(transient=True, console=Console(stderr=True), disable=not sys.stderr.isatty()) as bar:
                 task = bar.add_task("sampling", total=total)
                 x = diffusion.sample(eps_fn, shape, sampler=sampler, steps=steps, generator=g,
                                      clip=arch["images"], progress=lambda: bar.advance(task))

@@ -41,11 +41,43 @@ def load(spec: str | Path) -> "torch.nn.Module":
     elif p.exists() and not (p / "config.json").is_file():
         raise VaeError(f"--vae {spec}: not a diffusers AutoencoderKL folder (no config.json)")
     try:
-        vae = diffusers.AutoencoderKL.from_pretrained(spec, **kw)
+        vae = _from_pretrained(diffusers, spec, p.exists(), kw)
     except Exception as e:  # noqa: BLE001 - diffusers/huggingface_hub raise many types
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise VaeError(f"--vae {spec}: not a loadable AutoencoderKL ({type(e).__name__}: {first[:200]})") from None
+        where = "" if p.exists() else (" (not a local folder, not in the Hugging Face cache, and not "
+                                       "downloadable from here: download it where there is a network, "
+                                       "or pass a local folder)")
+        raise VaeError(f"--vae {spec}: not a loadable AutoencoderKL{where} ({type(e).__name__}: {first[:200]})") from None
     return vae.float().eval().requires_grad_(False)
+
+
+def _from_pretrained(diffusers, spec: str, local: bool, kw: dict):
+    """AutoencoderKL.from_pretrained, a hub id first from the local Hugging Face cache (a compute
+    node often has no network), with the hub's retry log lines and warnings kept off the
+    terminal: a failure is said once, by load()."""
+    import logging
+    import socket
+    import warnings
+    from urllib.parse import urlparse
+    hub = logging.getLogger("huggingface_hub")
+    level = hub.level
+    hub.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if not local:
+                try:
+                    return diffusers.AutoencoderKL.from_pretrained(spec, local_files_only=True, **kw)
+                except Exception:  # noqa: BLE001 - not cached: the hub, if it can be reached
+                    from huggingface_hub import constants
+                    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+                    try:        # (else the hub retries for half a minute before it fails)
+                        socket.getaddrinfo(host, 443)
+                    except OSError as e:
+                        raise OSError(f"cannot reach {host} ({e})") from None
+            return diffusers.AutoencoderKL.from_pretrained(spec, **kw)
+    finally:
+        hub.setLevel(level)
 
 
 def scaling_factor(vae) -> float:
