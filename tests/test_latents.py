@@ -380,6 +380,12 @@ def test_bad_inputs_are_one_line_exit_2_nothing_written(world, tmp_path, capsys)
     torch.save({"a": torch.zeros(2)}, tmp_path / "other.pt")
     assert "not a DiT state dict" in one_line_exit_2(
         capsys, ["convert", str(tmp_path / "other.pt"), str(dst), "--to", "dit"], dst)
+    under_a_file = tmp_path / "pickled.pt" / "dst.pt"        # OUT's folder is a file
+    for to in ("autohc", "diffusers"):
+        assert "is a file, not a folder" in one_line_exit_2(
+            capsys, ["convert", str(world["run"]), str(under_a_file), "--to", to])
+    assert "--vae is for --to diffusers" in one_line_exit_2(
+        capsys, ["convert", str(world["run"]), str(dst), "--to", "dit", "--vae", vae], dst)
     run = tmp_path / "run"
     train = ["train", "--data", f"latents:{world['lat']}", "--out", str(run), "--no-progress", "--steps", "1"]
     assert "pickled Python object" in one_line_exit_2(capsys, [*train, "--init", str(tmp_path / "pickled.pt")], run)

@@ -139,7 +139,15 @@ def cmd_encode(args) -> int:
 def cmd_convert(args) -> int:
     from pathlib import Path
     from ..dit import convert
+    from .argtypes import output_dir, output_file
     out = Path(args.dst)
+    if args.vae is not None and args.to != "diffusers":
+        raise convert.CheckpointError(f"--vae is for --to diffusers (a DiTPipeline); --to {args.to} "
+                                      "writes the transformer's weights alone")
+    try:                                # a place that cannot be written: said before reading IN
+        (output_dir if args.to == "diffusers" else output_file)(args.dst)
+    except argparse.ArgumentTypeError as e:
+        raise convert.CheckpointError(f"OUT {e}") from None
     if args.to != "diffusers" and out.exists() and not args.force:
         raise convert.CheckpointError(f"{out}: exists; pass --force to overwrite it")
     if args.to != "diffusers" and out.is_dir():
