@@ -134,6 +134,28 @@ def test_encode_crops_flips_and_resumes_to_the_same_file(world, tmp_path, monkey
                                 progress=False)["new_images"] == 0
 
 
+def test_encode_stopped_while_making_its_files_starts_again_with_the_same_command(world, tmp_path, monkeypatch):
+    """A failure between labels.npy and meta.json (e.g. no memory for latents.npy) leaves a
+    folder the same command makes again, not one it refuses; another folder is still refused."""
+    imgs = _images(tmp_path / "imgs", [(16, 16), (16, 16)])
+    args = dict(image_size=16, flip=False, batch=2, seed=0, progress=False)
+    real = np.lib.format.open_memmap
+
+    def no_memory(*a, **kw):
+        raise MemoryError("Cannot allocate memory")
+    monkeypatch.setattr(np.lib.format, "open_memmap", no_memory)
+    with pytest.raises(MemoryError):
+        encode.encode_folder(imgs, str(world["vae"]), tmp_path / "out", **args)
+    assert (tmp_path / "out" / "labels.npy").exists() and not (tmp_path / "out" / "meta.json").exists()
+    monkeypatch.setattr(np.lib.format, "open_memmap", real)
+    done = encode.encode_folder(imgs, str(world["vae"]), tmp_path / "out", **args)
+    assert done["new_images"] == done["images"] == 6
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(datalib.InputError, match="not an encode's folder"):
+        encode.encode_folder(imgs, str(world["vae"]), tmp_path / "other", **args)
+
+
 def test_encode_in_bf16_is_close_to_fp32_and_recorded(world, tmp_path, monkeypatch, capsys):
     """--precision bf16 (widened to fp32 on a CPU without bf16 hardware, still bf16 numbers):
     the encoder's convolutions see bf16 under autocast, the latents are fp32 on disk, within

@@ -249,16 +249,22 @@ def _open_out(out: Path, settings: dict, files, flip: bool, shape, asked: str | 
             raise InputError(f"{out} holds latents of another encode (differs in {', '.join(diff)}): "
                              "pass another --out")
         return int(old.get("done", 0))
-    if out.exists() and any(out.iterdir()):
+    # (only these, with no meta.json: a creation that stopped part-way, made again)
+    if out.exists() and any(f.name not in _CREATED for f in out.iterdir()):
         raise InputError(f"{out}: exists and is not an encode's folder: pass a new or empty --out")
     out.mkdir(parents=True, exist_ok=True)
     labels = np.array([label for _, label in files] * (2 if flip else 1), dtype=np.int64)
     np.save(out / ".labels.npy.tmp.npy", labels)
     os.replace(out / ".labels.npy.tmp.npy", out / "labels.npy")
     del labels
-    np.lib.format.open_memmap(out / "latents.npy", mode="w+", dtype=np.float32, shape=shape).flush()
+    np.lib.format.open_memmap(out / ".latents.npy.tmp.npy", mode="w+", dtype=np.float32, shape=shape).flush()
+    os.replace(out / ".latents.npy.tmp.npy", out / "latents.npy")
     _write_json(meta_path, {**settings, "done": 0, "complete": False})
     return 0
+
+
+# what _open_out writes before meta.json
+_CREATED = frozenset({"labels.npy", "latents.npy", ".labels.npy.tmp.npy", ".latents.npy.tmp.npy"})
 
 
 def _encode_batch(vae, files, start: int, batch: int, size: int, mode: str, seed: int, flip: bool,
