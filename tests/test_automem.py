@@ -339,8 +339,8 @@ def test_train_automem_state_same_losses_and_whole_checkpoints(tmp_path, capsys)
     moments = [v for st in runs["state"]["opt"]["state"].values() for k, v in st.items() if k != "step"]
     assert moments and all(v.numel() > 0 for v in moments)
     assert main(["train", "--data", "digits", "--steps", "1", "--out", str(tmp_path / "bad"),
-                 "--no-progress", "--automem-state"]) == 1
-    assert "--automem-state needs --automem" in capsys.readouterr().err
+                 "--no-progress", "--automem-state"]) == 2
+    assert "--automem-state needs --automem" in capsys.readouterr().err and not (tmp_path / "bad").exists()
 
 
 def test_automem_caps_the_result_pool_while_it_runs(tmp_path, monkeypatch):

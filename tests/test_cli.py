@@ -76,7 +76,9 @@ def test_bench_gemm_json_small():
     ["--shape", "12x"], ["--shape", "0x5"], ["--shape", "axb"], ["--shape=-3x4"],
     ["--shape", "64x48", "--layout", "XY"], ["--shape", "64x48", "--storage", "nosuch://x"],
     ["--shape", "64x48", "--storage", "sqlite:////nonexistent/dir/t.db"],
-    ["--shape", "64x48", "--timeout", "-1"], [],
+    ["--shape", "64x48", "--timeout", "-1"], ["--shape", "64x48", "--timeout", "nan"],
+    ["--shape", "64x48", "--timeout", "0"], ["--op", "nosuch"], ["--op", "adamw", "--dtype", "bf16"],
+    ["--shape", "99999999999x99999999999"], ["--shape", "100000x100000", "--m", "100000"], [],
 ])
 def test_tune_bad_input_exits_2_and_writes_nothing(bad, tmp_path):
     cache = tmp_path / "cache"
@@ -84,6 +86,20 @@ def test_tune_bad_input_exits_2_and_writes_nothing(bad, tmp_path):
                        text=True, timeout=120, env={**os.environ, "AUTOHC_CACHE_DIR": str(cache)})
     assert r.returncode == 2
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("autohc tune: error: ") and "(see autohc tune --help)" in r.stderr, r.stderr
+    assert not cache.exists()
+
+
+def test_tune_threads_beyond_what_a_kernel_runs_is_refused_before_any_work(tmp_path):
+    """--threads above GemmParams' bound: exit 2 before the dtype line or a tune (the line
+    before it is main's note on oversubscription, printed as the arguments are read)."""
+    cache = tmp_path / "cache"
+    r = subprocess.run([sys.executable, "-m", "autohc.cli", "tune", "--shape", "12x12", "--threads", "257"],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "AUTOHC_CACHE_DIR": str(cache)})
+    lines = [ln for ln in r.stderr.strip().splitlines() if not ln.startswith("autohc: note:")]
+    assert r.returncode == 2 and lines == [
+        "autohc tune: error: argument --threads: expected an integer in [1, 256], got 257 "
+        "(see autohc tune --help)"], r.stderr
     assert not cache.exists()
 
 
@@ -280,3 +296,76 @@ def test_bf16_gemm_table_does_not_round_a_row_up_to_a_goal():
     assert ">= 87.9% of the bf16 peak" in text       # the caption
     assert text.count("87.9%") == 2                    # and the row's % peak
     assert "88%" not in text
+
+
+@pytest.mark.parametrize("args, words", [
+    (["report", "--results", "{results}"], "README.md: no such file"),      # not in the repository root
+    (["report", "--results", "{results}", "--readme", "{tmp}/missing.md"], "missing.md: no such file"),
+    (["report", "--results", "{results}", "--readme", "{tmp}/sub"], "sub: a folder"),
+    (["report", "--results", "{results}", "--page", "{tmp}/p.md", "--readme", "{file}"],
+     "blocker: no <!-- results:table:begin -->"),
+    (["report", "--results", "{results}", "--page", "{file}/p.md", "--readme", "none"], "is a file, not a folder"),
+    (["report", "--results", "{results}", "--page", "{tmp}/sub", "--readme", "none"], "is a folder, not a file"),
+    (["report", "--results", "{tmp}/nothing", "--page", "{tmp}/p.md"], "--results: no folder"),
+    (["report", "--storage", "bogus://x", "--out", "{tmp}/rep"], "autohc report: error: cannot open"),
+])
+def test_report_bad_input_exits_2_and_writes_nothing(args, words, tmp_path):
+    """Every path and URL of `autohc report` checked before anything is written: no page, no
+    README rewritten, no --out folder."""
+    from pathlib import Path
+    blocker = tmp_path / "blocker"
+    blocker.write_text("x")
+    (tmp_path / "sub").mkdir()
+    results = Path(__file__).resolve().parents[1] / "results"
+    r = subprocess.run([sys.executable, "-m", "autohc.cli",
+                        *[a.format(tmp=tmp_path, file=blocker, results=results) for a in args]],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 2 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("autohc") and words in lines[0], r.stderr
+    assert blocker.read_text() == "x"
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["blocker", "sub"]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--margin", "2"], "argument --margin: expected a number between 0 and 1, got 2.0"),
+    (["--margin", "nan"], "argument --margin"),
+    (["--baseline", "{text}"], "text.txt: not a baseline"),
+    (["--baseline", "{text}", "--update"], "text.txt: not a baseline"),
+    (["--baseline", "{tmp}/sub"], "sub: a folder"),
+    (["--baseline", "{tmp}/missing.json"], "missing.json: no such baseline file"),
+    (["--baseline", "{text}/b.json", "--update"], "is a file, not a folder"),
+])
+def test_gate_bad_input_exits_2_before_measuring(args, words, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("not json\n")
+    (tmp_path / "sub").mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}     # (no note)
+    r = subprocess.run([sys.executable, "-m", "autohc.cli", "bench", "gate",
+                        *[a.format(tmp=tmp_path, text=text) for a in args]],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("autohc") and words in lines[0], r.stderr
+    assert "measured" not in r.stderr and text.read_text() == "not json\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sub", "text.txt"]
+
+
+def test_gate_baseline_a_missing_file_is_one_only_for_update_or_the_default(tmp_path):
+    """--update writes a baseline that is not there yet; the default one missing (an installed
+    package) is no baseline: the floor is checked, as before."""
+    import argparse
+    from autohc.cli.bench import _gate_baseline
+    new = tmp_path / "new.json"
+    assert _gate_baseline(argparse.Namespace(baseline=str(new), update=True), tmp_path / "d.json") == new
+    assert _gate_baseline(argparse.Namespace(baseline=None, update=False), new) == new
+    assert not new.exists()
+
+
+@pytest.mark.parametrize("what", ["scale", "memory", "parallel"])
+def test_bench_model_names_the_models(what):
+    r = autohc("bench", what, "--model", "bogus")
+    assert r.returncode == 2 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"autohc bench {what}: error: argument --model: "), r.stderr
+    assert "DiT-S/2" in lines[0] and f"(see autohc bench {what} --help)" in lines[0]

@@ -371,6 +371,8 @@ def _bad_inputs_of_sample_eval_compare_train(run, tmp_path, capsys):
     assert "an empty file" in one_line_exit_2(capsys, ["eval", "--ckpt", str(empty)])
     assert "not a loadable" in one_line_exit_2(capsys, ["sample", "--ckpt", str(text), "--out", str(png)], png)
     assert "two run folders" in one_line_exit_2(capsys, ["compare", str(run), "--save", str(saved)], saved)
+    assert "expected digits" in one_line_exit_2(
+        capsys, ["train", "--data", "bogus", "--out", str(tmp_path / "r"), "--save", str(saved)], saved)
     assert "no such checkpoint" in one_line_exit_2(
         capsys, ["compare", str(run), str(tmp_path / "none"), "--save", str(saved)], saved)
     assert "not a loadable" in one_line_exit_2(capsys, ["compare", str(run), str(text)])

@@ -66,8 +66,9 @@ def test_cli_tune_op(reg, capsys):
     assert main(["tune", "--op", "adamw", "--images", "1", "--threads", "1"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("adamw: ") and " vl " in out and "-> registry" in out
-    assert main(["tune", "--op", "nope"]) == 1
-    assert "unknown op ['nope']" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["tune", "--op", "nope"])
+    assert e.value.code == 2 and "unknown op nope" in capsys.readouterr().err
 
 
 def test_tune_adamw_checks_each_candidate_from_the_same_state(reg):
@@ -128,8 +129,9 @@ def test_tune_bf16_forms_record_their_own_entries(reg, capsys):
     p = attention.params_for(torch.bfloat16)
     assert p.dtype == "bf16" and p.isa == before.isa
     assert {k: getattr(p, k) for k in r["params"] if k != "isa"} == {k: v for k, v in r["params"].items() if k != "isa"}
-    assert main(["tune", "--op", "adamw", "--dtype", "bf16"]) == 1
-    assert "unknown op ['adamw']" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["tune", "--op", "adamw", "--dtype", "bf16"])
+    assert e.value.code == 2 and "unknown op adamw" in capsys.readouterr().err
     with pytest.raises(ValueError, match="no bf16 form"):
         op_tuner.tune_op("softmax", 1, dtype="bf16")
 

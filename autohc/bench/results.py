@@ -127,10 +127,14 @@ def recorder(bench: str, args) -> Recorder | None:
     from ..tune import registry
     argv = list(getattr(args, "argv", None) or [])
     mine = Path(folder) / cpu.detect().fingerprint
-    try:                            # where save() writes, made now: an error before the run,
-        mine.mkdir(parents=True, exist_ok=True)     # not after it
-    except OSError as e:
-        raise ValueError(f"--save {folder}: cannot make {str(mine)!r} ({e.strerror})") from None
+    # where save() writes, checked now (an error before the run, not after it) but made only
+    # by save(): a run that fails leaves no empty folder
+    probe = mine.absolute()
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        why = "a file, not a folder" if not probe.is_dir() else "not writable"
+        raise ValueError(f"--save {folder}: cannot make {str(mine)!r} ({str(probe)!r} is {why})")
     return Recorder(bench, argv, Path(folder), len(registry.entries_for_this_cpu()))
 
 
@@ -146,9 +150,13 @@ def load(folder: Path | str = DEFAULT_DIR) -> list[dict]:
     root = Path(folder)
     out = []
     for p in sorted(root.glob("*/*.json")):
-        r = json.loads(p.read_text())
-        if r.get("schema") != SCHEMA:
-            raise ValueError(f"{p}: not an autohc result (schema {r.get('schema')!r})")
+        try:
+            r = json.loads(p.read_text())
+        except ValueError as e:
+            raise ValueError(f"{p}: not an autohc result ({e})") from None
+        if not isinstance(r, dict) or r.get("schema") != SCHEMA:
+            raise ValueError(f"{p}: not an autohc result (schema "
+                             f"{r.get('schema') if isinstance(r, dict) else None!r})")
         r["file"] = p.relative_to(root).as_posix()
         out.append(r)
     return sorted(out, key=lambda r: (r["cpu"]["fingerprint"], r["date"], r["file"]))

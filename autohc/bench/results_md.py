@@ -349,18 +349,22 @@ def replace_block(text: str, name: str, body: str) -> str:
 
 
 def render(folder: Path | str, page: Path | str, readme: Path | str | None) -> list[Path]:
-    """Writes page (docs/results.md) and the README's blocks; returns what it wrote."""
+    """Writes page (docs/results.md) and the README's blocks; returns what it wrote. Both
+    texts are made first: a README without its blocks (ValueError) leaves both files as they were."""
     results = load(folder)
     page = Path(page)
-    page.parent.mkdir(parents=True, exist_ok=True)
-    page.write_text(results_page(results))
-    wrote = [page]
+    texts = {page: results_page(results)}
     if readme is not None:
         readme = Path(readme)
         text = readme.read_text()
         for name, body in (("table", readme_table(results)), ("digits", readme_digits(results)),
                            ("fidelity", readme_fidelity(results))):
-            text = replace_block(text, name, body)
-        readme.write_text(text)
-        wrote.append(readme)
-    return wrote
+            try:
+                text = replace_block(text, name, body)
+            except ValueError as e:
+                raise ValueError(f"{readme}: {e}") from None
+        texts[readme] = text
+    page.parent.mkdir(parents=True, exist_ok=True)
+    for path, text in texts.items():
+        path.write_text(text)
+    return list(texts)

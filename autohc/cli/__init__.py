@@ -12,7 +12,8 @@ import sys
 
 from . import bench, kernels, tune
 from ..bench.results import add_save_argument
-from .argtypes import non_negative_int, output_dir, positive_int
+from .argtypes import (non_negative_int, open_fraction, output_dir, output_file, positive_float,
+                       positive_int, thread_count)
 
 # torch's libgomp threads spin for milliseconds after each parallel region and OpenBLAS's for
 # ~2^28 cycles; interleaved with another library's threads they steal the cores. A fair
@@ -83,7 +84,9 @@ class OneLineParser(argparse.ArgumentParser):
 def _step_args(p, model: str, batch: int | None, steps: int, model_note: str = "") -> None:
     """--model, --batch (unless None: the command has its own), --steps, --warmup of the
     training-step benchmarks."""
-    p.add_argument("--model", default=model, help=f"DiT size (default: {model}{model_note})")
+    from ..dit.model import MODELS
+    p.add_argument("--model", default=model, choices=list(MODELS), metavar="NAME",
+                   help=f"DiT size, one of {', '.join(MODELS)} (default: {model}{model_note})")
     if batch is not None:
         p.add_argument("--batch", type=positive_int, default=batch, help=f"images per step (default: {batch})")
     p.add_argument("--steps", type=positive_int, default=steps, help=f"steps per run (default: {steps})")
@@ -104,7 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generated, autotuned CPU kernels for Diffusion Transformer training.")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    info = sub.add_parser("info", help="CPU, ISA, caches, NUMA, measured FMA peak, kernel cache")
+    info = sub.add_parser("info", help="CPU, ISA, caches, NUMA, measured FMA peak, kernel cache",
+                          formatter_class=argparse.RawDescriptionHelpFormatter,
+                          description="What this machine runs: the CPU and its ISA, caches and NUMA "
+                                      "nodes, the measured FMA and bf16 peaks, the back-end bf16 "
+                                      "GEMMs use, the default GEMM configuration and thread split, "
+                                      "and what the kernel cache and the tuning registry hold.",
+                          epilog="examples:\n  autohc info\n  autohc info --json")
     info.add_argument("--json", action="store_true", help="one JSON object instead of text")
 
     tune = sub.add_parser(
@@ -134,11 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--m", type=positive_int, default=2048, help="rows (tokens), default 2048")
     tune.add_argument("--layout", choices=["NT", "NN", "TN", "all"], default="all",
                       help="NT forward, NN input grad, TN weight grad (default: all)")
-    tune.add_argument("--threads", type=positive_int, default=None,
+    tune.add_argument("--threads", type=thread_count, default=None,
                       help="GEMM threads (default: every usable CPU)")
     tune.add_argument("--trials", type=positive_int, default=40,
                       help="trials per problem, counting earlier runs of its study (default 40)")
-    tune.add_argument("--timeout", type=float, default=60.0,
+    tune.add_argument("--timeout", type=positive_float, default=60.0,
                       help="seconds per problem (default 60); the trial in flight finishes")
     tune.add_argument("--storage", default=None,
                       help="Optuna storage URL (default: sqlite in the autohc cache)")
@@ -160,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "parameters per image (default: 8)")
 
     exp = sub.add_parser("export", help="write tuned kernels as C + header + manifest.json",
+                         formatter_class=argparse.RawDescriptionHelpFormatter,
+                         epilog="example:\n  autohc export --out generated/",
                          description="Writes the C source of every tuned kernel of this CPU (and "
                                      "the default ones), one header and manifest.json (problem, "
                                      "params, cflags, sha256, GFLOP/s, CPU), for a C/C++ build "
@@ -170,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="PNG plots: tuning convergence, roofline of tuned kernels; "
                                         "--results: the docs' results tables from saved results",
                          formatter_class=argparse.RawDescriptionHelpFormatter,
+                         description="Plots of the tuning studies (each problem's convergence) and "
+                                     "a roofline of the tuned kernels into --out; with --results, "
+                                     "instead, the docs' results tables rendered from the files "
+                                     "`--save` wrote.",
                          epilog="examples:\n  autohc report --out report/\n"
                                 "  autohc report --results            # results/ -> docs/results.md, README.md")
     rep.add_argument("--out", default="report", type=output_dir, help="output folder (default: report/)")
@@ -177,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="instead of the plots: render the per-CPU results tables from the files "
                           "`--save` wrote under DIR (default: results/) into --page and the "
                           "README's results blocks")
-    rep.add_argument("--page", default="docs/results.md",
+    rep.add_argument("--page", default="docs/results.md", type=output_file,
                      help="with --results: the page written (default: docs/results.md)")
     rep.add_argument("--readme", default="README.md",
                      help="with --results: the README whose marked blocks are replaced "
@@ -186,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "(default: sqlite in the autohc cache)")
 
     cache = sub.add_parser("cache", help="list, verify or clear compiled kernels",
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           epilog="examples:\n  autohc cache list\n  autohc cache verify --json",
                            description="The kernel cache: $AUTOHC_CACHE_DIR, else "
                                        "$XDG_CACHE_HOME/autohc, else ~/.cache/autohc.")
     cache.add_argument("action", choices=["list", "verify", "clear"],
@@ -193,7 +210,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "compiled kernels (the registry and tuning studies stay)")
     cache.add_argument("--json", action="store_true", help="JSON output (list, verify)")
 
-    bench = sub.add_parser("bench", help="measure autohc against torch and numpy")
+    bench = sub.add_parser("bench", help="measure autohc against torch and numpy",
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           description="Benchmarks of autohc against torch and numpy, timed "
+                                       "interleaved, medians of repeats: the training GEMMs, the "
+                                       "fused operators, training steps, sampling, memory, "
+                                       "parallel strategies, scaling, and the CI's perf gate. "
+                                       "`autohc bench WHAT --help` says what each measures.",
+                           epilog="examples:\n  autohc bench gemm --model dit-xl --threads 1 2\n"
+                                  "  autohc bench ops --json")
     bsub = bench.add_subparsers(dest="what", required=True, metavar="WHAT")
     g = bsub.add_parser(
         "gemm", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -296,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "faster of torch (MKL) and numpy (OpenBLAS) by more than the measured spread.",
         epilog="refresh the baseline after an intended change:  autohc bench gate --update")
     gate.add_argument("--baseline", default=None, help="baseline file (default: bench/baseline.json)")
-    gate.add_argument("--margin", type=float, default=None,
+    gate.add_argument("--margin", type=open_fraction, default=None,
                       help="allowed fall of a ratio, as a fraction (default 0.25)")
     gate.add_argument("--update", action="store_true", help="measure and rewrite this CPU's baseline")
     gate.add_argument("--contended", action="store_true", help=argparse.SUPPRESS)

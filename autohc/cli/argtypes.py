@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from typing import NoReturn
 
 
 def _number(cast, text: str, ok, want: str):
@@ -33,6 +35,33 @@ def sampling_steps(text: str) -> int:
 
 def non_negative_int(text: str) -> int:
     return _number(int, text, lambda v: v >= 0, "an integer >= 0")
+
+
+def open_fraction(text: str) -> float:
+    return _number(float, text, lambda v: 0 < v < 1, "a number between 0 and 1")
+
+
+def thread_count(text: str) -> int:
+    """Threads of a kernel: the bound GemmParams enforces (kernels/gemm/params.py)."""
+    from ..kernels.gemm.params import MAX_THREADS
+    return _number(int, text, lambda v: 1 <= v <= MAX_THREADS, f"an integer in [1, {MAX_THREADS}]")
+
+
+def command_error(command: str, message: str) -> NoReturn:
+    """A bad value found after parsing, said as `autohc <command>`'s own parser says one:
+    one line, exit 2, pointing at that command's --help rather than the top level's."""
+    sys.stderr.write(f"autohc {command}: error: {message} (see autohc {command} --help)\n")
+    raise SystemExit(2)
+
+
+def recheck(command: str, option: str, value, kind):
+    """`value`, as the parser gave it, through the type `kind`; refused as the parser would."""
+    if value is None:
+        return None
+    try:
+        return kind(str(value))
+    except argparse.ArgumentTypeError as e:
+        command_error(command, f"argument {option}: {e}")
 
 
 def _writable_place(text: str, want_dir: bool) -> str:

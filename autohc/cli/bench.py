@@ -7,19 +7,11 @@ import sys
 from pathlib import Path
 
 from ..bench.results_md import caches_words
-
-
-def _known_model(name: str) -> str:
-    """A DiT name of dit.model.MODELS, or one line saying which there are."""
-    from ..dit.model import MODELS
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; one of {', '.join(MODELS)}")
-    return name
+from .argtypes import output_file, recheck
 
 
 def cmd_bench_scale(args) -> int:
     from ..bench.scale import bench_scale
-    _known_model(args.model)
     rates = () if args.netns is None else (tuple(args.netns) or ("",))
     r = bench_scale(args.model, args.batch_per_rank, steps=args.steps, warmup=args.warmup,
                     netns_rates=rates, progress=lambda m: print(f"bench scale: {m}", file=sys.stderr, flush=True))
@@ -57,7 +49,6 @@ def _save(rec, result, threads: int | None) -> None:
 def cmd_bench_memory(args) -> int:
     from ..bench.memory import bench_memory
     from ..bench.results import recorder
-    _known_model(args.model)
     rec = recorder("memory", args)
     r = bench_memory(args.model, args.batch, args.tier, steps=args.steps, warmup=args.warmup,
                      state=args.state, rounds=args.rounds,
@@ -84,7 +75,6 @@ def cmd_bench_memory(args) -> int:
 def cmd_bench_parallel(args) -> int:
     from ..bench.parallel import bench_parallel
     from ..bench.results import recorder
-    _known_model(args.model)
     rec = recorder("parallel", args)
     r = bench_parallel(args.model, args.batch, steps=args.steps, warmup=args.warmup,
                        strategies=args.strategies,
@@ -101,17 +91,41 @@ def cmd_bench_parallel(args) -> int:
     return 0
 
 
+def _gate_baseline(args, default: Path) -> Path:
+    """The baseline file, checked before anything is measured: one given by --baseline must
+    exist unless --update writes it, what exists must be a JSON object (what --update adds
+    this CPU to), and --update must be able to write it. The default file missing (an
+    installed package): no baseline, the floor is checked."""
+    import os
+    from ..dit.data import InputError
+    path = Path(args.baseline) if args.baseline else default
+    if args.update:
+        recheck("bench gate", "--baseline", path, output_file)
+        if path.is_file() and not os.access(path, os.W_OK):
+            raise InputError(f"{path}: not writable, so --update could not rewrite it")
+    elif args.baseline is not None and not path.exists():
+        raise InputError(f"{path}: no such baseline file (--update measures this CPU and writes one)")
+    if path.is_dir():
+        raise InputError(f"{path}: a folder, not a baseline file")
+    if path.exists():
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise InputError(f"{path}: not a baseline (a JSON object of CPU fingerprints): {e}") from None
+        if not isinstance(data, dict):
+            raise InputError(f"{path}: not a baseline (a JSON object of CPU fingerprints)")
+    return path
+
+
 def cmd_gate(args) -> int:
     from ..bench import gate
-    path = Path(args.baseline) if args.baseline else gate.DEFAULT_BASELINE
+    path = _gate_baseline(args, gate.DEFAULT_BASELINE)
     show = lambda key, ratio: print(f"  measured {key}: {ratio:.2f}x torch", file=sys.stderr, flush=True)  # noqa: E731
     if args.update:
         entry = gate.update(path, progress=show)
         print(f"autohc: baseline for {entry['cpu']} written to {path} ({len(entry['ratios'])} ratios)")
         return 0
     margin = gate.MARGIN if args.margin is None else args.margin
-    if not 0 < margin < 1:
-        raise SystemExit("autohc: error: --margin must be between 0 and 1")
     ok, lines = gate.check(path, margin, progress=show)
     for line in lines:
         print(line)

@@ -149,20 +149,47 @@ def cmd_export(args) -> int:
     return 0
 
 
+def _check_results_args(args) -> Path | None:
+    """--results' folder, --page and --readme, checked before anything is written; returns
+    the README (None: --readme none)."""
+    import os
+    from ..dit.data import InputError
+    from .argtypes import command_error
+    if not Path(args.results).is_dir():
+        command_error("report", f"argument --results: no folder {args.results}")
+    if Path(args.page).exists() and not os.access(args.page, os.W_OK):
+        command_error("report", f"argument --page: {args.page!r} is not writable")
+    if args.readme == "none":
+        return None
+    readme = Path(args.readme)
+    if not readme.is_file():
+        raise InputError(f"{readme}: {'a folder' if readme.is_dir() else 'no such file'}, not a README "
+                         "with results blocks (--readme PATH, or none to leave the README)")
+    if not os.access(readme, os.R_OK | os.W_OK):
+        raise InputError(f"{readme}: cannot read and rewrite it (--readme none leaves the README)")
+    return readme
+
+
 def cmd_report(args, parser) -> int:
+    from ..dit.data import InputError
+    from .argtypes import command_error
     if args.results is not None:
         from ..bench.results_md import render
-        if not Path(args.results).is_dir():
-            parser.error(f"--results: no folder {args.results}")
-        wrote = render(args.results, args.page, None if args.readme == "none" else args.readme)
+        readme = _check_results_args(args)
+        try:
+            wrote = render(args.results, args.page, readme)
+        except ValueError as e:         # a README without the blocks, a file not a result: nothing written
+            raise InputError(str(e)) from None
         print(f"autohc: rendered {', '.join(map(str, wrote))} from {args.results}/")
         return 0
-    from ..tune import StorageError
+    from ..tune import StorageError, open_storage
     from ..tune.report import report
-    try:
-        paths = report(args.out, args.storage)
-    except StorageError as e:
-        parser.error(str(e))
+    if args.storage is not None:        # a bad URL: exit 2 before --out is made
+        try:
+            open_storage(args.storage)
+        except StorageError as e:
+            command_error("report", str(e))
+    paths = report(args.out, args.storage)
     print(f"autohc: wrote {len(paths)} plot(s) to {args.out}/")
     return 0
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import sys
 
+from .argtypes import command_error
+
 
 def cmd_tune(args, parser) -> int:
     from rich.console import Console
@@ -15,14 +17,26 @@ def cmd_tune(args, parser) -> int:
     from ..kernels.gemm.problem import GemmProblem, dit_problems
     from ..tune import registry
     from ..tune.result import TuneResult
-    if args.timeout <= 0:
-        parser.error("--timeout must be > 0")
+    # (--timeout, --threads: checked by the parser) every value checked before anything is
+    # tuned, written or said
     if args.storage is not None:
         from ..tune import StorageError, open_storage
         try:
             open_storage(args.storage)          # a bad URL: exit 2 before anything is written
         except StorageError as e:
-            parser.error(str(e))
+            command_error("tune", str(e))
+    problems = []
+    if args.op:
+        _check_ops(args)
+    elif args.model:
+        problems = dit_problems(args.model, max(1, args.m // 256))
+    else:
+        k, n = args.shape
+        layouts = ["NT", "NN", "TN"] if args.layout == "all" else [args.layout]
+        problems = [GemmProblem(f"{k}x{n}", lay, args.m, k, n) for lay in layouts]
+    if args.layout != "all" and args.model:
+        problems = [p for p in problems if p.layout == args.layout]
+    _check_fits(problems)
     threads = args.threads or cpu.detect().cores
     auto = args.dtype == "auto"
     if auto:            # the precision `autohc train --precision auto` would run here
@@ -31,14 +45,6 @@ def cmd_tune(args, parser) -> int:
         print(f"autohc tune: {args.dtype} ({why}; --dtype fp32 or bf16 to choose)", file=sys.stderr)
     if args.op:
         return _tune_ops(args, threads, auto)
-    if args.model:
-        problems = dit_problems(args.model, max(1, args.m // 256))
-    else:
-        k, n = args.shape
-        layouts = ["NT", "NN", "TN"] if args.layout == "all" else [args.layout]
-        problems = [GemmProblem(f"{k}x{n}", lay, args.m, k, n) for lay in layouts]
-    if args.layout != "all" and args.model:
-        problems = [p for p in problems if p.layout == args.layout]
     if args.dtype == "bf16":
         from ..bench.peak import bf16_peak_gflops
         from ..kernels.isa import BF16_ISAS
@@ -98,16 +104,36 @@ def cmd_tune(args, parser) -> int:
     return 0
 
 
+def _check_ops(args) -> None:
+    """--op names this dtype has (before auto resolves it: every op), or exit 2 naming them."""
+    from ..tune.ops import BF16_OPS, OP_KERNELS
+    known = list(BF16_OPS) if args.dtype == "bf16" else [*OP_KERNELS, "attention"]
+    unknown = [] if args.op == ["all"] else [n for n in args.op if n not in known]
+    if unknown:
+        command_error("tune", f"argument --op: unknown op{'s' if len(unknown) > 1 else ''} "
+                              f"{', '.join(unknown)}; one of {', '.join(known)} or all"
+                              + (" (in bf16)" if args.dtype == "bf16" else ""))
+
+
+def _check_fits(problems) -> None:
+    """Exit 2 on a problem whose matrices this machine cannot hold, before any allocation:
+    a tune keeps the three fp32 operands and about as much again in results and copies."""
+    import psutil
+    have = psutil.virtual_memory().available
+    for p in problems:
+        need = 8 * (p.M * p.K + p.K * p.N + p.M * p.N)
+        if need > have:
+            command_error("tune", f"{p.name} at M = {p.M}: about {need / 2**30:.3g} GiB of matrices, "
+                                  f"{have / 2**30:.1f} GiB available; a smaller --shape or --m")
+
+
 def _tune_ops(args, threads: int, auto: bool = False) -> int:
     """auto (resolved to args.dtype): every op, in bf16 where it has a bf16 form and args.dtype
     is bf16, else in fp32; otherwise only the ops of args.dtype."""
     from ..tune.ops import BF16_OPS, OP_KERNELS, tune_op
     known = list(BF16_OPS) if args.dtype == "bf16" and not auto else [*OP_KERNELS, "attention"]
     dtype_of = {n: "bf16" if args.dtype == "bf16" and n in BF16_OPS else "fp32" for n in known}
-    names = known if args.op == ["all"] else args.op
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise ValueError(f"unknown op {unknown}; one of {', '.join(known)} or all")
+    names = known if args.op == ["all"] else args.op     # (known ones: _check_ops)
     say = None if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
     for name in names:
         dtype = dtype_of[name]
