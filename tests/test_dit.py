@@ -383,6 +383,13 @@ def _bad_inputs_of_sample_eval_compare_train(run, tmp_path, capsys):
     assert "--image-size" in one_line_exit_2(capsys, [*train, "--data", "digits", "--image-size", "16"], new)
     assert "--channels" in one_line_exit_2(capsys, [*train, "--data", "digits", "--channels", "1"], new)
     assert "--automem TIER" in one_line_exit_2(capsys, [*train, "--data", "digits", "--automem-state"], new)
+    (tmp_path / "a-file").write_text("")
+    for bad in (["--weight-decay", "-1"], ["--weight-decay", "nan"], ["--automem", "ssd"],
+                ["--automem", f"file:{tmp_path / 'a-file' / 'x'}"], ["--automem", "numa:x"]):
+        with pytest.raises(SystemExit) as e:
+            main([*train, "--data", "digits", *bad])
+        assert e.value.code == 2 and not new.exists(), bad
+        assert f"argument {bad[0]}" in capsys.readouterr().err
 
 
 def test_compare_runs_fp32_vs_bf16(tmp_path, capsys):

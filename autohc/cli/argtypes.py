@@ -37,6 +37,21 @@ def non_negative_int(text: str) -> int:
     return _number(int, text, lambda v: v >= 0, "an integer >= 0")
 
 
+def non_negative_float(text: str) -> float:
+    return _number(float, text, lambda v: 0 <= v < float("inf"), "a number >= 0")
+
+
+def automem_tier(text: str) -> str:
+    """An AutoMem tier as `--automem` takes it: file, file:DIR (a folder it can write in), bf16,
+    numa or numa:NODE (whether this machine has that node is said when training starts)."""
+    name, colon, arg = text.partition(":")
+    if name == "file" and colon:
+        return "file:" + _writable_place(arg, want_dir=True)
+    if text in ("file", "bf16", "numa") or (name == "numa" and arg.isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"expected file, file:DIR, bf16, numa or numa:NODE, got {text!r}")
+
+
 def open_fraction(text: str) -> float:
     return _number(float, text, lambda v: 0 < v < 1, "a number between 0 and 1")
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from ..bench.results import add_save_argument, recorder
 from ..dit.model import MODELS
-from .argtypes import (non_negative_int, output_dir, output_file, positive_float, positive_int,
-                       sampling_steps, signal_name, unit_interval)
+from .argtypes import (automem_tier, non_negative_float, non_negative_int, output_dir, output_file,
+                       positive_float, positive_int, sampling_steps, signal_name, unit_interval)
 
 # bench/step.py's MODES, spelled here so that parsing the command line does not import torch
 # (autohc train sets torch's OpenMP spin before torch loads); a test keeps the two equal
@@ -142,7 +142,7 @@ def add_parsers(sub, bsub) -> None:
     t.add_argument("--no-comm-thread", action="store_true",
                    help="data parallel: all-reduce on gloo's own threads instead of autohc's "
                         "communication thread (pinned to the CPU plan's comm core; MPI under mpirun)")
-    t.add_argument("--automem", default=None, metavar="TIER",
+    t.add_argument("--automem", type=automem_tier, default=None, metavar="TIER",
                    help="AutoMem: saved activations leave memory after the forward pass and are "
                         "prefetched back for backward: file (a temporary directory), file:DIR "
                         "(e.g. a local SSD), numa[:NODE] (a NUMA memory node: the capacity tier "
@@ -161,7 +161,7 @@ def add_parsers(sub, bsub) -> None:
                         "each; AUTOHC_FIRST_USE=0 does the same)")
     t.add_argument("--lr", type=positive_float, default=1e-3,
                    help="AdamW learning rate (default: 1e-3; the DiT paper uses 1e-4 for ImageNet)")
-    t.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default: 0)")
+    t.add_argument("--weight-decay", type=non_negative_float, default=0.0, help="AdamW weight decay (default: 0)")
     t.add_argument("--ema", type=unit_interval, default=0.9999, help="EMA decay (default: 0.9999, with warm-up)")
     t.add_argument("--ckpt-every", type=positive_int, default=500, help="checkpoint every K steps (default: 500)")
     t.add_argument("--keep", type=positive_int, default=3, help="checkpoints kept (default: 3)")
