@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from ...build import build
+from ...build import EMULATED_TILE_FLAGS, build
 from ...runtime import pool
 from ..family import exported_declarations
 from ..render import environment
@@ -27,7 +27,8 @@ def render_attention(params: AttentionParams, emulate_tiles: bool = False) -> st
 def library(params: AttentionParams, emulate_tiles: bool = False):
     """The compiled, pool-bound library at these parameters (built once per process)."""
     src = render_attention(params, emulate_tiles)
-    lib = build(src, exported_declarations(src), params.cflags,
+    flags = tuple(params.cflags) + (EMULATED_TILE_FLAGS if emulate_tiles else ())
+    lib = build(src, exported_declarations(src), flags,
                 meta={"op": "attention", "params": params.to_dict(), "emulate_tiles": emulate_tiles})
     pool.bind(lib, params.symbol())
     return lib

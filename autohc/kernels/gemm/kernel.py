@@ -6,7 +6,7 @@ import contextlib
 import functools
 import threading
 
-from ...build import Library, build
+from ...build import EMULATED_TILE_FLAGS, Library, build
 from ...hw import cpu
 from ...runtime import plan, pool
 from .codegen import gemm_cdef, render_gemm, render_gemm_objects
@@ -29,7 +29,8 @@ class GemmKernel:
         meta = {"op": "gemm", "params": params.to_dict()}
         if emulate_tiles:
             meta["emulated_tiles"] = True
-        self.library: Library = build(source, gemm_cdef(params, source), spec.cflags, meta=meta,
+        flags = tuple(spec.cflags) + (EMULATED_TILE_FLAGS if emulate_tiles else ())
+        self.library: Library = build(source, gemm_cdef(params, source), flags, meta=meta,
                                       objects=tuple(render_gemm_objects(params, emulate_tiles).values()))
         fn = params.symbol
         lib = self.library.lib
