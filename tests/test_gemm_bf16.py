@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import autohc
+from autohc.build import EMULATED_TILE_FLAGS
 from autohc.hw import cpu
 from autohc.kernels.gemm.codegen import render_gemm, render_gemm_objects
 from autohc.kernels.gemm.kernel import default_kernel_params, get_kernel, tile_emulation
@@ -671,8 +672,9 @@ def test_every_bf16_backend_compiles_standalone(name, tmp_path):
         for j, src in enumerate(sources):
             (tmp_path / f"{isa}{i}_{j}.c").write_text(src)
         # every symbol resolved inside the library: the skinny paths' object linked in
+        # (with the flags autohc builds it with: emulated tiles also EMULATED_TILE_FLAGS)
         cmd = ["gcc", "-O3", "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared", "-Wl,--no-undefined",
-               *GEMM_ISAS[isa].cflags, *(str(tmp_path / f"{isa}{i}_{j}.c") for j in range(len(sources))),
+               *GEMM_ISAS[isa].cflags, *(EMULATED_TILE_FLAGS if emulated else ()), *(str(tmp_path / f"{isa}{i}_{j}.c") for j in range(len(sources))),
                "-o", str(tmp_path / f"{isa}{i}.so"), "-lpthread"]
         return subprocess.run(cmd, capture_output=True, text=True)
     with ThreadPoolExecutor(os.cpu_count() or 2) as pool:      # (gcc runs side by side)
