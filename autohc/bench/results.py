@@ -123,18 +123,16 @@ def recorder(bench: str, args) -> Recorder | None:
     folder = getattr(args, "save", None)
     if folder is None:
         return None
+    from ..build import unwritable
     from ..hw import cpu
     from ..tune import registry
     argv = list(getattr(args, "argv", None) or [])
     mine = Path(folder) / cpu.detect().fingerprint
     # where save() writes, checked now (an error before the run, not after it) but made only
     # by save(): a run that fails leaves no empty folder
-    probe = mine.absolute()
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
-        why = "a file, not a folder" if not probe.is_dir() else "not writable"
-        raise ValueError(f"--save {folder}: cannot make {str(mine)!r} ({str(probe)!r} is {why})")
+    why = unwritable(str(mine), want_dir=True)
+    if why:
+        raise ValueError(f"--save {folder}: {why}")
     return Recorder(bench, argv, Path(folder), len(registry.entries_for_this_cpu()))
 
 

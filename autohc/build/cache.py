@@ -107,6 +107,28 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def unwritable(text: str, want_dir: bool) -> str | None:
+    """Why an output path cannot be written (None: it can), checked before any work: no part of
+    it that exists may be a file where a folder is needed (or, for a file, the path itself a
+    folder), and the nearest folder that exists must be writable. Nothing is created here."""
+    if not text:
+        return "expected a path, got ''"
+    p = Path(text).expanduser()
+    if p.exists():
+        if want_dir and not p.is_dir():
+            return f"{text!r} is a file, not a folder"
+        if not want_dir and p.is_dir():
+            return f"{text!r} is a folder, not a file"
+    probe = (p if want_dir else p.parent).absolute()
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{text!r}: {str(probe)!r} is a file, not a folder"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{text!r}: cannot write into {str(probe)!r}"
+    return None
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
     try:

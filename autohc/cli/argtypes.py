@@ -80,27 +80,12 @@ def recheck(command: str, option: str, value, kind):
 
 
 def _writable_place(text: str, want_dir: bool) -> str:
-    """The output path `text`, checked before any work: no part of it that exists may be a
-    file where a folder is needed (or, for a file, the path itself a folder), and the nearest
-    folder that exists must be writable. Nothing is created here; the command creates it."""
-    import os
-    from pathlib import Path
-    if not text:
-        raise argparse.ArgumentTypeError("expected a path, got ''")
-    p = Path(text).expanduser()
-    if p.exists():
-        if want_dir and not p.is_dir():
-            raise argparse.ArgumentTypeError(f"{text!r} is a file, not a folder")
-        if not want_dir and p.is_dir():
-            raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file")
-    parent = p if want_dir else p.parent
-    probe = parent.absolute()
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r}: {str(probe)!r} is a file, not a folder")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"{text!r}: cannot write into {str(probe)!r}")
+    """The output path `text`, checked before any work (build.unwritable); the command
+    creates it."""
+    from ..build import unwritable
+    why = unwritable(text, want_dir)
+    if why:
+        raise argparse.ArgumentTypeError(why)
     return text
 
 

@@ -612,10 +612,8 @@ def check_sampling_inputs(arch: dict, classes: list[int], per_class: int) -> Non
     keeps a few fp32 copies of the batch), before any sampling."""
     import psutil
     from ..dit.data import InputError
-    bad = [c for c in classes if not 0 <= c < arch["num_classes"]]
-    if bad:
-        raise InputError(f"--classes {' '.join(map(str, bad))}: out of range, this model has classes "
-                         f"0..{arch['num_classes'] - 1}")
+    from ..dit.sample import check_classes
+    check_classes(arch, classes)
     side, latent = arch["input_size"], arch.get("latent")
     each = 8 * arch["in_channels"] * side * side * 4 + (3 * latent["image_size"] ** 2 * 4 if latent else 0)
     need = len(classes) * per_class * each

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .data import InputError
 from .diffusion import GaussianDiffusion
 from .precision import autocast
 from .train import build_model
@@ -47,6 +48,14 @@ def guided_eps(model, arch: dict, y: torch.Tensor, cfg: float, precision: str = 
 
 
 @torch.no_grad()
+def check_classes(arch: dict, classes: list[int]) -> None:
+    """InputError naming the classes the model does not have."""
+    n = arch["num_classes"]
+    bad = [c for c in classes if not 0 <= c < n]
+    if bad:
+        raise InputError(f"--classes {' '.join(map(str, bad))}: out of range: this model has classes 0..{n - 1}")
+
+
 def generate(model, arch: dict, classes: list[int], *, per_class: int = 8, sampler: str = "ddim",
              steps: int | None = None, cfg: float = 4.0, seed: int = 0,
              progress: bool = False, precision: str = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,9 +63,7 @@ def generate(model, arch: dict, classes: list[int], *, per_class: int = 8, sampl
     steps: None is the sampler's default (DDIM 50, DDPM all 1000). precision: "fp32" or
     "bf16" (the model's forward under autocast, the sampler in fp32; resolve "auto" with
     precision.resolve first)."""
-    bad = [c for c in classes if not 0 <= c < arch["num_classes"]]
-    if bad:
-        raise ValueError(f"classes {bad} out of range: this model has classes 0..{arch['num_classes'] - 1}")
+    check_classes(arch, classes)
     if per_class < 1:
         raise ValueError(f"per_class must be >= 1, got {per_class}")
     diffusion = GaussianDiffusion()

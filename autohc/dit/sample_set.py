@@ -370,12 +370,10 @@ def settings_from_args(args, w, world: int = 1, tokens: int = 1) -> Settings:
     ranks, for a model of `tokens` tokens; InputError (one line) for what cannot be drawn."""
     from . import sample_parallel
     from .diffusion import GaussianDiffusion
+    from .sample import check_classes
     arch = w.arch
-    n = arch["num_classes"]
     if args.classes is not None:
-        bad = [c for c in args.classes if not 0 <= c < n]
-        if bad:
-            raise InputError(f"--classes {' '.join(map(str, bad))}: out of range: this model has classes 0..{n - 1}")
+        check_classes(arch, args.classes)
     dropout = arch.get("class_dropout", 0) or 0
     if args.cfg is None:
         cfg = 2.0 if dropout > 0 else 1.0           # the default guidance where there is a null class
