@@ -69,10 +69,18 @@ def test_render_is_deterministic_and_names_symbols():
     p = default_params("avx2", 2)
     src = render_gemm(p)
     assert src == render_gemm(p)
-    assert f"int {p.symbol}_gemm(" in src
+    assert f"int {p.library_symbol}_gemm(void *h, " in src and f"{p.library_symbol}_new(" in src
     assert p.symbol.startswith("autohc_g") and p.symbol[8:].isalnum()
-    q = dataclasses.replace(p, kc=128)
-    assert q.symbol != p.symbol and render_gemm(q) != src
+    assert p.library_symbol.startswith("autohc_gl") and p.library_symbol[9:].isalnum()
+    # the blocks and thread ways are an instance's: one library for all of them ...
+    q = dataclasses.replace(p, kc=128, mc=96, nc=512, jc_ways=1, ic_ways=1, jr_ways=2, depth=3).validate()
+    assert q.symbol != p.symbol and q.library_symbol == p.library_symbol and render_gemm(q) == src
+    # ... but not for the rest, and an exported kernel has its own, without the instance argument
+    r = dataclasses.replace(p, k_unroll=2)
+    assert r.library_symbol != p.library_symbol and render_gemm(r) != src
+    fixed = render_gemm(p, fixed=True)
+    assert f"int {p.symbol}_gemm(int64_t M, " in fixed and "_new(" not in fixed
+    assert render_gemm(q, fixed=True) != fixed
 
 
 def test_register_tile_is_fully_unrolled():
@@ -88,14 +96,14 @@ def test_register_tile_is_fully_unrolled():
 def test_every_backend_compiles_standalone(isa, tmp_path):
     """The rendered C builds without Python (what `autohc export` ships), AVX-512 included
     on machines that cannot run it."""
-    for threads in (1, 2):
-        p = default_params(isa, threads)
-        sources = [render_gemm(p), *render_gemm_objects(p).values()]     # (the skinny paths' object)
+    p = default_params(isa, 2)
+    for fixed in (False, True):         # the library (instances of blocks and ways), the exported kernel
+        sources = [render_gemm(p, fixed=fixed), *render_gemm_objects(p).values()]  # (+ the skinny paths' object)
         for j, src in enumerate(sources):
-            (tmp_path / f"{isa}{threads}_{j}.c").write_text(src)
+            (tmp_path / f"{isa}{fixed}_{j}.c").write_text(src)
         cmd = ["gcc", "-O3", "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared", "-Wl,--no-undefined",
-               *ISAS[isa].cflags, *(str(tmp_path / f"{isa}{threads}_{j}.c") for j in range(len(sources))),
-               "-o", str(tmp_path / f"{isa}{threads}.so"), "-lpthread"]
+               *ISAS[isa].cflags, *(str(tmp_path / f"{isa}{fixed}_{j}.c") for j in range(len(sources))),
+               "-o", str(tmp_path / f"{isa}{fixed}.so"), "-lpthread"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr
 

@@ -83,6 +83,39 @@ def test_concurrent_callers_share_a_kernel_safely():
     assert not errors, errors
 
 
+def test_kernels_of_other_blocks_and_ways_are_instances_of_one_library():
+    """kc, mc, nc and the thread ways are run-time values of an instance: kernels that differ
+    only in them share one compiled library and run side by side, each with its own buffers."""
+    import dataclasses
+    from autohc.kernels.gemm.kernel import get_kernel
+    base = default_params(cpu.best_isa(), 2)
+    variants = [base, dataclasses.replace(base, kc=64, mc=4 * base.mr, nc=2 * base.nr),
+                dataclasses.replace(base, jc_ways=1, ic_ways=1, jr_ways=2, depth=3),
+                dataclasses.replace(base, jc_ways=1, ic_ways=1, jr_ways=1, depth=1)]
+    kernels = [get_kernel(p.validate()) for p in variants]
+    assert len({k.library.path for k in kernels}) == 1 and len({p.symbol for p in variants}) == 4
+    a, b = torch.randn(203, 150), torch.randn(150, 171)
+    errors = []
+
+    def worker(p):
+        try:
+            for _ in range(5):              # interleaved with the other instances' calls
+                check(autohc.matmul(a, b, params=p), a, b, None, 1.0, 0.0)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    ts = [threading.Thread(target=worker, args=(p,)) for p in variants]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    assert not errors, errors
+    lib, fn = kernels[0].library, base.library_symbol
+    new = getattr(lib.lib, f"{fn}_new")
+    assert new(*base.instance_args()) != lib.ffi.NULL
+    for bad in [dict(kc=0), dict(mc=base.mr + 1), dict(nc=base.nr - 1), dict(jc_ways=0), dict(jc_ways=300),
+                dict(depth=4)]:          # (what validate() refuses; C checks it again)
+        args = dict(zip(("kc", "mc", "nc", "jc_ways", "ic_ways", "jr_ways", "depth"), base.instance_args()))
+        assert new(*{**args, **bad}.values()) == lib.ffi.NULL, bad
+
+
 @pytest.mark.parametrize("args, kwargs, exc, message", [
     ((torch.randn(3, 4), torch.randn(5, 6)), {}, ValueError, "do not multiply"),
     ((torch.randn(3, 4, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)), {}, TypeError, "float32"),

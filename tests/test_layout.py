@@ -12,7 +12,7 @@ from autohc.kernels import family
 from autohc.kernels.eltwise import KERNELS, EltwiseParams
 from autohc.kernels.eltwise.codegen import render_eltwise
 from autohc.kernels.gemm.codegen import render_gemm, render_gemm_objects
-from autohc.kernels.gemm.params import GemmParams, ParamError, default_params
+from autohc.kernels.gemm.params import INSTANCE_FIELDS, GemmParams, ParamError, default_params
 from autohc.kernels.isa import ISAS
 from autohc.tune.space import as_suggestions, isa_entries, load_space, suggest_params
 
@@ -100,10 +100,10 @@ def test_no_module_imports_another_modules_private_names():
 def test_declarations_come_from_the_source():
     src = render_gemm(default_params("avx2", 2))
     decls = family.exported_declarations(src)
-    for fn in ("_gemm(", "_gemm_bias(", "_gemm_batched(", "_bind(", "_threads(", "_isa_supported(",
+    for fn in ("_new(", "_gemm(", "_gemm_bias(", "_gemm_batched(", "_bind(", "_threads(", "_isa_supported(",
                "_skinny_unit("):
         assert fn in decls
-    assert decls.count(";") == 7
+    assert decls.count(";") == 8
     with pytest.raises(ValueError):
         family.exported_declarations("int f(void) { return 0; }")
 
@@ -131,7 +131,8 @@ def _gemm_variants(isa, threads=4):
                 p = suggest_params(_Trial({**base, knob: v}), isa, threads)
             except ParamError:
                 continue
-            rendered[p] = render_gemm(p) + "".join(render_gemm_objects(p).values())   # the kernel and what it links
+            # what runs: the library and what it links, and the instance's run-time blocks and ways
+            rendered[p] = (render_gemm(p) + "".join(render_gemm_objects(p).values()), p.instance_args())
             if len(rendered) == 2:
                 break
         yield knob, rendered
@@ -143,6 +144,8 @@ def test_every_gemm_knob_changes_the_c(isa):
         assert len(rendered) == 2, f"gemm/{isa}: fewer than two valid values of {knob}"
         a, b = rendered.values()
         assert a != b, f"gemm/{isa}: knob {knob} declared in the search space, but the C is the same"
+        if knob in INSTANCE_FIELDS or knob == "geometry":     # (an instance's: one library for both)
+            assert a[0] == b[0], f"gemm/{isa}: knob {knob} is an instance's, but it changes the library's C"
 
 
 @pytest.mark.parametrize("isa", list(ISAS))

@@ -57,7 +57,7 @@ def export(out: str | os.PathLike, include_defaults: bool = True) -> dict:
         if params.symbol in seen:
             continue
         seen.add(params.symbol)
-        src = render_gemm(params)
+        src = render_gemm(params, fixed=True)
         rel = f"kernels/{params.symbol}.c"
         atomic_write_text(out / rel, src)
         objects = []

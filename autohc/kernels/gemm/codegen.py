@@ -7,21 +7,29 @@ import dataclasses
 from ..family import exported_declarations
 from ..isa import GEMM_ISAS
 from ..render import environment
-from .params import GemmParams
+from .params import INSTANCE_FIELDS, GemmParams
 
 
-def render_gemm(params: GemmParams, emulate_tiles: bool = False) -> str:
-    """C source of one GEMM kernel; its public functions are prefixed with params.symbol.
+def render_gemm(params: GemmParams, emulate_tiles: bool = False, fixed: bool = False) -> str:
+    """C source of the GEMM library that serves `params`: its public functions are prefixed
+    with params.library_symbol and take an instance (<prefix>_new: the blocks and thread ways,
+    INSTANCE_FIELDS) as their first argument; nothing else in it depends on those fields.
+    fixed: the kernel on its own (`autohc export`), prefixed with params.symbol, its instance
+    made of params' own blocks and ways inside it, and no instance argument.
     emulate_tiles (isa amx only): the tile instructions run in C (gemm/amx_emulated.h.j2),
     checked as a CPU checks them, so the AMX back-end is tested on CPUs without AMX."""
     p = params.validate()
     if emulate_tiles and p.isa != "amx":
         raise ValueError(f"emulate_tiles: only the amx back-end has tiles, not {p.isa}")
     ctx = dataclasses.asdict(p)                # every field (to_dict leaves some out at their defaults)
+    if not fixed:                              # (StrictUndefined: the template cannot read them)
+        for name in INSTANCE_FIELDS:
+            del ctx[name]
+    ctx["fixed"] = bool(fixed)
     ctx["emulate_tiles"] = bool(emulate_tiles)
-    ctx["fn"] = p.symbol
-    ctx["buffer_k"] = p.buffer_k
-    ctx["params_comment"] = ", ".join(f"{k}={v}" for k, v in sorted(p.to_dict().items()))
+    ctx["fn"] = p.symbol if fixed else p.library_symbol
+    shown = p.to_dict() if fixed else p.library_dict()
+    ctx["params_comment"] = ", ".join(f"{k}={v}" for k, v in sorted(shown.items()))
     ctx["sk"] = skinny_symbol(p, emulate_tiles)
     return environment().get_template("gemm/gemm.c.j2").render(**ctx)
 

@@ -18,21 +18,38 @@ class KernelError(RuntimeError):
     """A kernel could not run (out of memory, threads, or an ISA this CPU lacks)."""
 
 
+def _library(params: GemmParams, emulate_tiles: bool) -> Library:
+    """The compiled library that serves `params` (and every parameter set that differs from it
+    only in INSTANCE_FIELDS), built on first use and bound to the worker pool once."""
+    key = (params.library_symbol, emulate_tiles)
+    with _kernels_lock:
+        lock = _building.setdefault(key, threading.Lock())
+    with lock:
+        library = _libraries.get(key)
+        if library is None:
+            source = render_gemm(params, emulate_tiles)
+            meta = {"op": "gemm", "params": params.library_dict()}
+            if emulate_tiles:
+                meta["emulated_tiles"] = True
+            flags = tuple(GEMM_ISAS[params.isa].cflags) + (EMULATED_TILE_FLAGS if emulate_tiles else ())
+            library = build(source, gemm_cdef(params, source), flags, meta=meta,
+                            objects=tuple(render_gemm_objects(params, emulate_tiles).values()))
+            fn = params.library_symbol
+            if getattr(library.lib, f"{fn}_isa_supported")():
+                pool.bind(library, fn)      # threads come from the one worker pool
+            _libraries[key] = library
+        return library
+
+
 class GemmKernel:
-    """One compiled, verified GEMM configuration. emulate_tiles (isa amx): its tile
+    """One verified GEMM configuration: an instance (its blocks and thread ways) of the compiled
+    library of its register tile, loop order and the rest. emulate_tiles (isa amx): its tile
     instructions run in C, for tests on CPUs without AMX (`tile_emulation`)."""
 
     def __init__(self, params: GemmParams, emulate_tiles: bool = False):
         self.params = params.validate()
-        spec = GEMM_ISAS[params.isa]
-        source = render_gemm(params, emulate_tiles)
-        meta = {"op": "gemm", "params": params.to_dict()}
-        if emulate_tiles:
-            meta["emulated_tiles"] = True
-        flags = tuple(spec.cflags) + (EMULATED_TILE_FLAGS if emulate_tiles else ())
-        self.library: Library = build(source, gemm_cdef(params, source), flags, meta=meta,
-                                      objects=tuple(render_gemm_objects(params, emulate_tiles).values()))
-        fn = params.symbol
+        self.library: Library = _library(self.params, emulate_tiles)
+        fn = params.library_symbol
         lib = self.library.lib
         self._tile_fault = getattr(lib, f"{fn}_tile_fault", None)   # (emulated tiles only)
         self._gemm = getattr(lib, f"{fn}_gemm")
@@ -52,8 +69,10 @@ class GemmKernel:
         self._in_t = "void *" if self._bf16 else "float *"
         self._skinny_unit = getattr(lib, f"{fn}_skinny_unit")
         self.runnable = bool(getattr(lib, f"{fn}_isa_supported")())
-        if self.runnable:
-            pool.bind(self.library, fn)      # threads come from the one worker pool
+        # (the library's functions take it first; it lives as long as the process, as the kernel)
+        self._h = getattr(lib, f"{fn}_new")(*params.instance_args())
+        if self._h == self._ffi.NULL:
+            raise KernelError(f"{params.symbol}: no memory for a kernel instance")
 
     def skinny_unit(self) -> str | None:
         """What this bf16 kernel's skinny paths (M <= skinny_m) run on here: "dot" (vdpbf16ps)
@@ -77,9 +96,9 @@ class GemmKernel:
         a, b, c = f.cast(self._in_t, a_ptr), f.cast(self._in_t, b_ptr), f.cast("float *", c_ptr)
         tail = (in_f32,) if self._bf16 else ()
         if bias_ptr is None:
-            rc = self._gemm(M, N, K, alpha, a, rsa, csa, b, rsb, csb, beta, c, ldc, *tail)
+            rc = self._gemm(self._h, M, N, K, alpha, a, rsa, csa, b, rsb, csb, beta, c, ldc, *tail)
         else:
-            rc = self._gemm_bias(M, N, K, alpha, a, rsa, csa, b, rsb, csb, beta,
+            rc = self._gemm_bias(self._h, M, N, K, alpha, a, rsa, csa, b, rsb, csb, beta,
                                  f.cast("float *", bias_ptr), c, ldc, *tail)
         self._check(rc)
 
@@ -90,19 +109,19 @@ class GemmKernel:
         override's hot path). bias_ptr is read only where with_bias."""
         if not self.runnable:
             raise KernelError(f"this CPU cannot run the {self.params.isa} back-end")
-        cast, in_t, check = self._ffi.cast, self._in_t, self._check
+        cast, in_t, check, h = self._ffi.cast, self._in_t, self._check, self._h
         tail = (in_f32,) if self._bf16 else ()
         if with_bias:
             fn = self._gemm_bias
 
             def run(a_ptr: int, b_ptr: int, c_ptr: int, bias_ptr: int) -> None:
-                check(fn(M, N, K, alpha, cast(in_t, a_ptr), rsa, csa, cast(in_t, b_ptr), rsb, csb, beta,
+                check(fn(h, M, N, K, alpha, cast(in_t, a_ptr), rsa, csa, cast(in_t, b_ptr), rsb, csb, beta,
                          cast("float *", bias_ptr), cast("float *", c_ptr), ldc, *tail))
         else:
             fn = self._gemm
 
             def run(a_ptr: int, b_ptr: int, c_ptr: int, bias_ptr: int = 0) -> None:
-                check(fn(M, N, K, alpha, cast(in_t, a_ptr), rsa, csa, cast(in_t, b_ptr), rsb, csb, beta,
+                check(fn(h, M, N, K, alpha, cast(in_t, a_ptr), rsa, csa, cast(in_t, b_ptr), rsb, csb, beta,
                          cast("float *", c_ptr), ldc, *tail))
         return run
 
@@ -116,7 +135,7 @@ class GemmKernel:
         if not self.runnable:
             raise KernelError(f"this CPU cannot run the {self.params.isa} back-end")
         f = self._ffi
-        self._check(self._gemm_bf16c(M, N, K, alpha, f.cast("void *", a_ptr), rsa, csa, f.cast("void *", b_ptr),
+        self._check(self._gemm_bf16c(self._h, M, N, K, alpha, f.cast("void *", a_ptr), rsa, csa, f.cast("void *", b_ptr),
                                 rsb, csb, beta, f.NULL if bias_ptr is None else f.cast("float *", bias_ptr),
                                 f.NULL if ws_ptr is None else f.cast("float *", ws_ptr),
                                 f.cast("uint16_t *", cb_ptr), ldc, in_f32))
@@ -146,7 +165,7 @@ class GemmKernel:
         if not self.runnable:
             raise KernelError(f"this CPU cannot run the {self.params.isa} back-end")
         f = self._ffi
-        self._check(self._gemm_bf16c_pb(M, N, K, alpha, f.cast("void *", a_ptr), rsa, csa, f.cast("void *", b_ptr),
+        self._check(self._gemm_bf16c_pb(self._h, M, N, K, alpha, f.cast("void *", a_ptr), rsa, csa, f.cast("void *", b_ptr),
                                    rsb, csb, f.cast("uint16_t *", bpk_ptr), beta,
                                    f.NULL if bias_ptr is None else f.cast("float *", bias_ptr),
                                    f.NULL if ws_ptr is None else f.cast("float *", ws_ptr),
@@ -162,7 +181,7 @@ class GemmKernel:
         if not self.runnable:
             raise KernelError(f"this CPU cannot run the {self.params.isa} back-end")
         f = self._ffi
-        self._check(self._gemm_bf16c_act(M, N, K, alpha, f.cast("void *", a_ptr), rsa, csa, f.cast("void *", b_ptr),
+        self._check(self._gemm_bf16c_act(self._h, M, N, K, alpha, f.cast("void *", a_ptr), rsa, csa, f.cast("void *", b_ptr),
                                          rsb, csb, f.NULL if bpk_ptr is None else f.cast("uint16_t *", bpk_ptr), beta,
                                          f.NULL if bias_ptr is None else f.cast("float *", bias_ptr),
                                          f.NULL if ws_ptr is None else f.cast("float *", ws_ptr),
@@ -181,7 +200,7 @@ class GemmKernel:
             raise KernelError(f"this CPU cannot run the {self.params.isa} back-end")
         f = self._ffi
         tail = (in_f32,) if self._bf16 else ()
-        self._check(self._gemm_batched(batch, sa, sb, sc, M, N, K, alpha, f.cast(self._in_t, a_ptr), rsa, csa,
+        self._check(self._gemm_batched(self._h, batch, sa, sb, sc, M, N, K, alpha, f.cast(self._in_t, a_ptr), rsa, csa,
                                   f.cast(self._in_t, b_ptr), rsb, csb, beta, f.cast("float *", c_ptr), ldc,
                                   *tail))
 
@@ -202,8 +221,9 @@ def _check(rc: int) -> None:
 
 
 _kernels: dict[tuple[GemmParams, bool], GemmKernel] = {}
+_libraries: dict[tuple[str, bool], Library] = {}
 _kernels_lock = threading.Lock()
-_building: dict[tuple[GemmParams, bool], threading.Lock] = {}
+_building: dict[tuple, threading.Lock] = {}         # (a kernel's key, or a library's)
 _emulating_tiles = False
 
 

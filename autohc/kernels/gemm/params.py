@@ -40,6 +40,10 @@ OMITTED_AT = {"dtype": "fp32", "c_tiles": False, "skinny_unit": "auto", "kc_inne
 LEGACY_NAMES = {"clusters": "jc_ways", "tm": "ic_ways", "tn": "jr_ways"}
 RETIRED = {"pin", "spin_us"}       # now the worker pool's (runtime/pool.py), not a kernel's
 MAX_THREADS = 256
+# fields a compiled kernel takes at run time (<prefix>_new in templates/gemm/gemm.c.j2): one
+# library serves every value of them, so that tuning trials, thread counts and tests that differ
+# only in blocks or thread split compile once
+INSTANCE_FIELDS = ("kc", "mc", "nc", "jc_ways", "ic_ways", "jr_ways", "depth")
 MAX_BUFFER_FLOATS = 1 << 26        # 256 MiB per packed buffer
 
 
@@ -280,8 +284,24 @@ class GemmParams:
 
     @property
     def symbol(self) -> str:
-        """C prefix of this kernel's functions: unique per parameter set, hex only."""
+        """C prefix of this kernel's functions: unique per parameter set, hex only (an
+        exported kernel's, whose blocks and ways are its own)."""
         return "autohc_g" + self.key[:12]
+
+    def library_dict(self) -> dict:
+        """to_dict without the fields an instance gives at run time: what its library is
+        compiled from."""
+        return {k: v for k, v in self.to_dict().items() if k not in INSTANCE_FIELDS}
+
+    @property
+    def library_symbol(self) -> str:
+        """C prefix of the functions of the library that serves this kernel (and every kernel
+        that differs from it only in INSTANCE_FIELDS), hex only."""
+        return "autohc_gl" + hashlib.sha256(json.dumps(self.library_dict(), sort_keys=True).encode()).hexdigest()[:12]
+
+    def instance_args(self) -> tuple[int, ...]:
+        """The arguments of the library's <prefix>_new for this kernel."""
+        return tuple(getattr(self, k) for k in INSTANCE_FIELDS)
 
 
 def thread_geometry(threads: int, clusters: int = 1, own_ways_up_to: int = 0) -> tuple[int, int, int]:
