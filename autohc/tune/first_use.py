@@ -285,6 +285,9 @@ def _race(t: Tuning) -> None:
         _busy.on = False
     gf = {k: t.problem.flops / v.median / 1e9 for k, v in {**first, **times}.items()}
     t.chosen, t.race_s = finalists[ours], time.perf_counter() - t0
+    for k, p in finalists.items():      # the candidates that lost hold no packed panels
+        if k not in ("default", ours):
+            get_kernel(p).trim()
     _spent["race_s"] += t.race_s
     p = t.problem
     registry.record("gemm", p.layout, p.K, p.N, p.M, t.threads, t.chosen, gf[ours], gf.get("aten", 0.0),

@@ -144,9 +144,12 @@ def tune_problem(problem: GemmProblem, threads: int = 1, *, trials: int | None =
         if problem.M > params.skinny_m:             # paths this problem never takes
             params = params.without_skinny_paths()
         trial.set_user_attr("params", params.to_dict())
-        get_kernel(params)                          # build: BuildError / KernelError fail it
-        verifier(params)                            # verify: WrongResult fails it
-        m = measure(problem, params, threads)       # time
+        kernel = get_kernel(params)                 # build: BuildError / KernelError fail it
+        try:
+            verifier(params)                        # verify: WrongResult fails it
+            m = measure(problem, params, threads)   # time
+        finally:
+            kernel.trim()                           # (a study's trials would hold GBs of panels)
         trial.set_user_attr("torch_gflops", problem.flops / m.baseline_seconds / 1e9)
         trial.set_user_attr("spread", round(m.spread, 4))
         return problem.flops / m.seconds / 1e9

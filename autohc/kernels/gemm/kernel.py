@@ -68,11 +68,17 @@ class GemmKernel:
         self._bf16 = params.dtype == "bf16"    # A, B: void * and their element types said
         self._in_t = "void *" if self._bf16 else "float *"
         self._skinny_unit = getattr(lib, f"{fn}_skinny_unit")
+        self._trim = getattr(lib, f"{fn}_trim")
         self.runnable = bool(getattr(lib, f"{fn}_isa_supported")())
         # (the library's functions take it first; it lives as long as the process, as the kernel)
         self._h = getattr(lib, f"{fn}_new")(*params.instance_args())
         if self._h == self._ffi.NULL:
             raise KernelError(f"{params.symbol}: no memory for a kernel instance")
+
+    def trim(self) -> None:
+        """Free this kernel's packed buffers (after a call in flight); its next call allocates
+        them again. For kernels that may not run again soon: a tuner's timed trials."""
+        self._trim(self._h)
 
     def skinny_unit(self) -> str | None:
         """What this bf16 kernel's skinny paths (M <= skinny_m) run on here: "dot" (vdpbf16ps)
