@@ -75,6 +75,14 @@ def test_build_once_then_reuse(tmp_path):
     assert json.loads(rec.read_text())["sha256"] == first["sha256"]
 
 
+def test_the_optimisation_level_is_part_of_the_key(monkeypatch):
+    """A build at another level (bench/opt_level.py patches OPT_FLAGS) is another cache entry."""
+    from autohc.build import cache
+    key = cache.source_key("int f(void) { return 0; }", "int f(void);", ("-mavx2",))
+    monkeypatch.setattr(cache, "OPT_FLAGS", tuple("-O2" if f == "-O3" else f for f in cache.OPT_FLAGS))
+    assert cache.source_key("int f(void) { return 0; }", "int f(void);", ("-mavx2",)) != key
+
+
 def test_tampered_library_is_not_loaded_but_rebuilt(tmp_path):
     ok(run_kernel(tmp_path))
     (rec,) = entries(tmp_path)

@@ -143,9 +143,10 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def source_key(source: str, cdef: str, flags: tuple[str, ...]) -> str:
-    """Hash of what is compiled, independent of the compiler."""
+    """Hash of what is compiled, independent of the compiler: the flags with OPT_FLAGS (read at
+    each call), so that a build at one optimisation level never serves another."""
     h = hashlib.sha256()
-    for part in (source, cdef, " ".join(flags), sys.implementation.cache_tag,
+    for part in (source, cdef, " ".join((*OPT_FLAGS, *flags)), sys.implementation.cache_tag,
                  sysconfig.get_config_var("EXT_SUFFIX") or "", cffi.__version__):
         h.update(part.encode())
         h.update(b"\0")
