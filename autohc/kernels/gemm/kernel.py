@@ -70,15 +70,17 @@ class GemmKernel:
         self._skinny_unit = getattr(lib, f"{fn}_skinny_unit")
         self._trim = getattr(lib, f"{fn}_trim")
         self.runnable = bool(getattr(lib, f"{fn}_isa_supported")())
-        # (the library's functions take it first; it lives as long as the process, as the kernel)
-        self._h = getattr(lib, f"{fn}_new")(*params.instance_args())
-        if self._h == self._ffi.NULL:
+        # (the library's functions take it first; it lives as long as the process, as the kernel).
+        # None where this CPU lacks the ISA: the library's code, its instances' included, may use it
+        self._h = getattr(lib, f"{fn}_new")(*params.instance_args()) if self.runnable else None
+        if self._h is not None and self._h == self._ffi.NULL:
             raise KernelError(f"{params.symbol}: no memory for a kernel instance")
 
     def trim(self) -> None:
         """Free this kernel's packed buffers (after a call in flight); its next call allocates
         them again. For kernels that may not run again soon: a tuner's timed trials."""
-        self._trim(self._h)
+        if self._h is not None:
+            self._trim(self._h)
 
     def skinny_unit(self) -> str | None:
         """What this bf16 kernel's skinny paths (M <= skinny_m) run on here: "dot" (vdpbf16ps)
