@@ -8,7 +8,7 @@ import torch
 import autohc
 import autohc.kernels.gemm.matmul as gemm_mod
 from autohc.hw import cpu
-from autohc.kernels.gemm.params import default_params
+from autohc.kernels.gemm.params import INSTANCE_FIELDS, default_params
 
 from gemm_reference import check
 
@@ -117,7 +117,7 @@ def test_kernels_of_other_blocks_and_ways_are_instances_of_one_library():
     assert new(*base.instance_args()) != lib.ffi.NULL
     for bad in [dict(kc=0), dict(mc=base.mr + 1), dict(nc=base.nr - 1), dict(jc_ways=0), dict(jc_ways=300),
                 dict(depth=4)]:          # (what validate() refuses; C checks it again)
-        args = dict(zip(("kc", "mc", "nc", "jc_ways", "ic_ways", "jr_ways", "depth"), base.instance_args()))
+        args = dict(zip(INSTANCE_FIELDS, base.instance_args()))
         assert new(*{**args, **bad}.values()) == lib.ffi.NULL, bad
 
 

@@ -7,7 +7,7 @@ import dataclasses
 from ..family import exported_declarations
 from ..isa import GEMM_ISAS
 from ..render import environment
-from .params import INSTANCE_FIELDS, GemmParams
+from .params import CHOICES, INSTANCE_FIELDS, MAX_THREADS, RANGES, GemmParams
 
 
 def render_gemm(params: GemmParams, emulate_tiles: bool = False, fixed: bool = False) -> str:
@@ -26,6 +26,8 @@ def render_gemm(params: GemmParams, emulate_tiles: bool = False, fixed: bool = F
         for name in INSTANCE_FIELDS:
             del ctx[name]
     ctx["fixed"] = bool(fixed)
+    # (what the instance's C check and arrays are bounded by: validate()'s own table)
+    ctx.update(ranges=RANGES, max_threads=MAX_THREADS, max_depth=max(CHOICES["depth"]))
     ctx["emulate_tiles"] = bool(emulate_tiles)
     ctx["fn"] = p.symbol if fixed else p.library_symbol
     shown = p.to_dict() if fixed else p.library_dict()
