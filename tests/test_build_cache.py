@@ -284,3 +284,79 @@ def test_sanitize_address_builds_kernels_that_asan_checks(tmp_path):
     assert "not caught" not in proc.stdout
     records = [json.loads(r.read_text()) for r in (tmp_path / "kernels").glob("*/record.json")]
     assert records and all("-fsanitize=address" in r["flags"] for r in records)
+
+
+def _slow_compiler(tmp_path: Path, seconds: float) -> tuple[str, Path]:
+    """A CC that logs each compile (`start <pid> <time> <args>`, `end <pid> <time>`) and sleeps
+    `seconds` before running gcc, so that builds surely overlap."""
+    log = tmp_path / "compiles.log"
+    cc = tmp_path / "slow-cc"
+    cc.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        case " $* " in
+          *" -c "*) echo "start $$ $(date +%s.%N) $*" >> {log}; sleep {seconds}; gcc "$@"; rc=$?
+                    echo "end $$ $(date +%s.%N)" >> {log}; exit $rc;;
+        esac
+        exec gcc "$@"
+        """))
+    cc.chmod(0o755)
+    return str(cc), log
+
+
+def test_processes_building_one_kernel_compile_it_once(tmp_path):
+    """Four processes that need the same kernels at once (the ranks of a job started on an
+    empty cache): each kernel is compiled by one of them, the others wait for it and load it."""
+    cc, log = _slow_compiler(tmp_path, 1.0)
+    env = {**os.environ, "AUTOHC_CACHE_DIR": str(tmp_path / "cache"), "CC": cc}
+    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+        assert json.loads(out.strip().splitlines()[-1])["ok"]
+    sources = [line.split()[-1] for line in log.read_text().splitlines() if line.startswith("start")]
+    modules = [Path(s).name for s in sources]
+    assert modules and len(modules) == len(set(modules)), modules     # none compiled twice
+
+
+def test_a_killed_builder_holds_up_no_one(tmp_path):
+    """A process killed while it compiles leaves its kernel's lock behind it with the kernel
+    (flock): the next process builds the kernel at once."""
+    import signal
+    import time
+    cc, log = _slow_compiler(tmp_path, 120)
+    cache = tmp_path / "cache"
+    stuck = subprocess.Popen([sys.executable, "-c", SCRIPT], env={**os.environ, "AUTOHC_CACHE_DIR": str(cache),
+                                                              "CC": cc},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while not (log.exists() and "start" in log.read_text()):
+            assert stuck.poll() is None and time.time() < deadline, "the first build never started"
+            time.sleep(0.1)
+        assert list(cache.glob("kernels/*/.build.lock"))       # (it holds a kernel's lock)
+    finally:
+        os.killpg(stuck.pid, signal.SIGKILL)
+        stuck.wait(timeout=60)
+    t0 = time.time()
+    assert ok(run_kernel(cache))["ok"]
+    assert time.time() - t0 < 100          # not held up until the killed build's sleep ended
+
+
+def test_a_librarys_objects_compile_beside_its_own_source(tmp_path, monkeypatch):
+    """A library's linked objects (the bf16 skinny paths) are compiled at the same time as the
+    library's own source, not before it."""
+    from autohc.build import build
+    from autohc.kernels.family import exported_declarations
+    cc, log = _slow_compiler(tmp_path, 1.0)
+    monkeypatch.setenv("AUTOHC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", cc)
+    obj = '__attribute__((visibility("hidden"))) int obj_thrice(int x) { return 3 * x; }\n'
+    src = "#define AUTOHC_API\nint obj_thrice(int x);\nAUTOHC_API int plus_7(int x) { return obj_thrice(x) + 7; }\n"
+    assert build(src, exported_declarations(src), (), objects=(obj,)).lib.plus_7(5) == 22
+    spans = {}
+    for line in log.read_text().splitlines():
+        kind, pid, when = line.split()[:3]
+        spans.setdefault(pid, {})[kind] = float(when)
+    (a, b) = spans.values()
+    assert a["start"] < b["end"] and b["start"] < a["end"], spans      # the two compiles overlap

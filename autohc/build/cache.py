@@ -3,12 +3,15 @@
 Key = sha256(source, cdef, flags, compiler version, Python ABI, cffi version): the same kernel
 is compiled once per machine and reused by every later process. Each cache entry holds the
 shared library and `record.json` with its sha256; a library whose hash does not match its
-record is never loaded (loading a library is running code): it is rebuilt. Files are written
-to a temporary name and renamed into place, so two processes building the same kernel at
-once never leave a torn file.
+record is never loaded (loading a library is running code): it is rebuilt. One process at a
+time builds an entry (a file lock), the others wait and load its library; files are written to
+a temporary name and renamed into place, so that no process ever reads a torn file.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import fcntl
 import functools
 import hashlib
 import importlib.machinery
@@ -222,6 +225,29 @@ def _load_verified(entry: Path, key: str) -> Library | None:
     return Library(key, lib_path, digest, mod.ffi, mod.lib)
 
 
+@contextlib.contextmanager
+def _one_builder(entry: Path):
+    """Held while a process builds `entry`: another process that needs the same kernel (each
+    rank of a job started on an empty cache, the suite's two workers) waits here, then loads
+    what the first one built, instead of compiling it again beside it. flock: the kernel drops
+    the lock of a process that dies, so a killed build never blocks the next. Where the
+    filesystem offers no locks, each process builds on its own as before."""
+    try:
+        f = open(entry / ".build.lock", "a")
+    except OSError:
+        f = None
+    try:
+        if f is not None:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX)
+            except OSError:
+                pass
+        yield
+    finally:
+        if f is not None:
+            f.close()                   # (releases the lock)
+
+
 def _object(source: str, flags: tuple[str, ...], cc: str) -> Path:
     """`source` compiled to an object file (with the library's flags) for libraries to link:
     cached once per machine as libraries are (content key, sha256 record, atomic rename), so
@@ -235,30 +261,40 @@ def _object(source: str, flags: tuple[str, ...], cc: str) -> Path:
         if found is not None:
             return found[0]
         entry.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=entry, prefix=".build-") as tmp:
-            t0 = time.perf_counter()
-            c_file, obj = Path(tmp) / "object.c", Path(tmp) / "object.o"
-            c_file.write_text(source)
-            cmd = [cc, *OPT_FLAGS, *flags, "-c", "-o", str(obj), str(c_file)]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise BuildError(f"compiling object {key[:12]} failed:\n$ {' '.join(cmd)}\n{proc.stderr.strip()[-4000:]}")
-            digest = _sha256_file(obj)
-            final = entry / f"object.{digest[:16]}.o"
-            os.replace(obj, final)
-            (entry / "source.c").exists() or atomic_write_text(entry / "source.c", source)
-            atomic_write_text(entry / "record.json", json.dumps(
-                {"key": key, "file": final.name, "sha256": digest, "flags": list(flags),
-                 "compiler": compiler_version(cc), "built_at": time.time(),
-                 "build_seconds": round(time.perf_counter() - t0, 3)}, indent=1))
-        found = _verified_file(entry, key, "linking")
-        if found is None:
-            raise BuildError(f"object {key[:12]} was built but cannot be verified in {entry}")
+        with _one_builder(entry):
+            return _object_built(source, flags, cc, key, entry)
+
+
+def _object_built(source: str, flags: tuple[str, ...], cc: str, key: str, entry: Path) -> Path:
+    """_object's build, under the entry's builder lock (another process may have built it
+    while this one waited for the lock)."""
+    found = _verified_file(entry, key, "linking")
+    if found is not None:
         return found[0]
+    with tempfile.TemporaryDirectory(dir=entry, prefix=".build-") as tmp:
+        t0 = time.perf_counter()
+        c_file, obj = Path(tmp) / "object.c", Path(tmp) / "object.o"
+        c_file.write_text(source)
+        cmd = [cc, *OPT_FLAGS, *flags, "-c", "-o", str(obj), str(c_file)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise BuildError(f"compiling object {key[:12]} failed:\n$ {' '.join(cmd)}\n{proc.stderr.strip()[-4000:]}")
+        digest = _sha256_file(obj)
+        final = entry / f"object.{digest[:16]}.o"
+        os.replace(obj, final)
+        (entry / "source.c").exists() or atomic_write_text(entry / "source.c", source)
+        atomic_write_text(entry / "record.json", json.dumps(
+            {"key": key, "file": final.name, "sha256": digest, "flags": list(flags),
+             "compiler": compiler_version(cc), "built_at": time.time(),
+             "build_seconds": round(time.perf_counter() - t0, 3)}, indent=1))
+    found = _verified_file(entry, key, "linking")
+    if found is None:
+        raise BuildError(f"object {key[:12]} was built but cannot be verified in {entry}")
+    return found[0]
 
 
-def _compile(source: str, cdef: str, flags: tuple[str, ...], cc: str, key: str,
-             workdir: Path, objects: tuple[Path, ...] = ()) -> Path:
+def _compile(source: str, cdef: str, flags: tuple[str, ...], cc: str, key: str, workdir: Path) -> Path:
+    """The library's own source (with cffi's wrapper) compiled to an object in `workdir`."""
     module = _module_name(key)
     ffi = cffi.FFI()
     ffi.cdef(cdef)
@@ -268,11 +304,8 @@ def _compile(source: str, cdef: str, flags: tuple[str, ...], cc: str, key: str,
     ffi.set_source(module, source, compiler_verbose=False)
     c_file = workdir / f"{module}.c"
     ffi.emit_c_code(str(c_file))
-    out = workdir / f"{module}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
-    cmd = [cc, *OPT_FLAGS, *flags, "-shared", f"-I{sysconfig.get_paths()['include']}",
-           "-o", str(out), str(c_file), *map(str, objects), "-lpthread"]
-    if sys.platform == "darwin":
-        cmd[1:1] = ["-undefined", "dynamic_lookup"]
+    out = workdir / f"{module}.o"
+    cmd = [cc, *OPT_FLAGS, *flags, "-c", f"-I{sysconfig.get_paths()['include']}", "-o", str(out), str(c_file)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         err = proc.stderr.strip()
@@ -280,6 +313,18 @@ def _compile(source: str, cdef: str, flags: tuple[str, ...], cc: str, key: str,
             raise BuildError("autohc cannot find Python.h: install the Python development "
                              "headers (Debian/Ubuntu: apt-get install python3-dev)")
         raise BuildError(f"compiling kernel {key[:12]} failed:\n$ {' '.join(cmd)}\n{err[-4000:]}")
+    return out
+
+
+def _link(main: Path, objects: tuple[Path, ...], flags: tuple[str, ...], cc: str, key: str) -> Path:
+    """The Python extension of `main` (from _compile) and the cached objects it links."""
+    out = main.with_name(main.stem + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
+    cmd = [cc, *OPT_FLAGS, *flags, "-shared", "-o", str(out), str(main), *map(str, objects), "-lpthread"]
+    if sys.platform == "darwin":
+        cmd[1:1] = ["-undefined", "dynamic_lookup"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BuildError(f"linking kernel {key[:12]} failed:\n$ {' '.join(cmd)}\n{proc.stderr.strip()[-4000:]}")
     return out
 
 
@@ -303,6 +348,36 @@ def sanitize_flags() -> tuple[str, ...]:
                          "run with LD_PRELOAD=$(gcc -print-file-name=libasan.so) "
                          "ASAN_OPTIONS=detect_leaks=0")
     return SANITIZE_FLAGS[name]
+
+
+def _library_built(source: str, cdef: str, flags: tuple[str, ...], cc: str, key: str, skey: str,
+                   entry: Path, objects: tuple[str, ...], meta: dict | None) -> Library:
+    """build()'s compile, under the entry's builder lock: the library another process built
+    while this one waited, else this one's. Its linked objects compile beside its own source."""
+    lib = _load_verified(entry, key)
+    if lib is not None:
+        return lib
+    with tempfile.TemporaryDirectory(dir=entry, prefix=".build-") as tmp:
+        t0 = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(objects))) as pool:
+            pending = [pool.submit(_object, o, flags, cc) for o in objects]
+            main = _compile(source, cdef, flags, cc, key, Path(tmp))
+            linked = tuple(f.result() for f in pending)
+        so = _link(main, linked, flags, cc, key)
+        digest = _sha256_file(so)
+        # unique final name: a concurrent builder's library is never overwritten
+        final = entry / f"{so.stem}.{digest[:16]}{''.join(so.suffixes[-1:])}"
+        os.replace(so, final)
+        (entry / "source.c").exists() or atomic_write_text(entry / "source.c", source)
+        record = {"key": key, "source_key": skey, "file": final.name, "sha256": digest, "flags": list(flags),
+                  "compiler": compiler_version(cc), "built_at": time.time(),
+                  "build_seconds": round(time.perf_counter() - t0, 3),
+                  **({"objects": [o.parent.name for o in linked]} if linked else {}), **(meta or {})}
+        atomic_write_text(entry / "record.json", json.dumps(record, indent=1))
+    lib = _load_verified(entry, key)
+    if lib is None:
+        raise BuildError(f"kernel {key[:12]} was built but cannot be verified in {entry}")
+    return lib
 
 
 def build(source: str, cdef: str, flags: tuple[str, ...] = (), *, meta: dict | None = None,
@@ -333,23 +408,8 @@ def build(source: str, cdef: str, flags: tuple[str, ...] = (), *, meta: dict | N
         if lib is None:
             cc_path = compiler()     # only now is a compiler needed
             entry.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=entry, prefix=".build-") as tmp:
-                t0 = time.perf_counter()
-                linked = tuple(_object(o, flags, cc_path) for o in objects)
-                so = _compile(source, cdef, flags, cc_path, key, Path(tmp), linked)
-                digest = _sha256_file(so)
-                # unique final name: a concurrent builder's library is never overwritten
-                final = entry / f"{so.stem}.{digest[:16]}{''.join(so.suffixes[-1:])}"
-                os.replace(so, final)
-                (entry / "source.c").exists() or atomic_write_text(entry / "source.c", source)
-                record = {"key": key, "source_key": skey, "file": final.name, "sha256": digest, "flags": list(flags),
-                          "compiler": compiler_version(cc_path), "built_at": time.time(),
-                          "build_seconds": round(time.perf_counter() - t0, 3),
-                          **({"objects": [o.parent.name for o in linked]} if linked else {}), **(meta or {})}
-                atomic_write_text(entry / "record.json", json.dumps(record, indent=1))
-            lib = _load_verified(entry, key)
-            if lib is None:
-                raise BuildError(f"kernel {key[:12]} was built but cannot be verified in {entry}")
+            with _one_builder(entry):
+                lib = _library_built(source, cdef, flags, cc_path, key, skey, entry, objects, meta)
         with _lock:
             _loaded[key] = lib
         return lib
