@@ -227,11 +227,11 @@ def _load_verified(entry: Path, key: str) -> Library | None:
 
 @contextlib.contextmanager
 def _one_builder(entry: Path):
-    """Held while a process builds `entry`: another process that needs the same kernel (each
-    rank of a job started on an empty cache, the suite's two workers) waits here, then loads
-    what the first one built, instead of compiling it again beside it. flock: the kernel drops
-    the lock of a process that dies, so a killed build never blocks the next. Where the
-    filesystem offers no locks, each process builds on its own as before."""
+    """Held while a process builds `entry`: another process that needs the same kernel at the
+    same time (the ranks of a job started on an empty cache, the suite's workers) waits here,
+    then loads what the first one built, instead of compiling it again beside it. flock: the
+    operating system drops the lock of a process that dies, so a killed build never holds up
+    the next. Where the filesystem offers no locks, each process builds on its own."""
     try:
         f = open(entry / ".build.lock", "a")
     except OSError:
