@@ -360,3 +360,24 @@ def test_a_librarys_objects_compile_beside_its_own_source(tmp_path, monkeypatch)
         spans.setdefault(pid, {})[kind] = float(when)
     (a, b) = spans.values()
     assert a["start"] < b["end"] and b["start"] < a["end"], spans      # the two compiles overlap
+
+
+def test_a_builder_that_holds_its_lock_too_long_is_not_waited_for(tmp_path, monkeypatch):
+    """A process that keeps a kernel's lock (stopped: a suspended batch job) holds up the others
+    for BUILD_LOCK_WAIT_S at most; then they build the kernel themselves."""
+    import fcntl
+    import time
+
+    from autohc.build import build, cache
+    monkeypatch.setenv("AUTOHC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cache, "BUILD_LOCK_WAIT_S", 1.0)
+    src, cdef = "int held(void) { return 9; }", "int held(void);"
+    key = cache.build_key(src, cdef, (), cache.compiler())
+    entry = tmp_path / "kernels" / key[:32]
+    entry.mkdir(parents=True)
+    with open(entry / ".build.lock", "a") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)          # (another open file: it conflicts as a process would)
+        t0 = time.monotonic()
+        assert build(src, cdef, ()).lib.held() == 9
+        waited = time.monotonic() - t0
+    assert 1.0 <= waited < 60

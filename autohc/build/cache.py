@@ -225,23 +225,36 @@ def _load_verified(entry: Path, key: str) -> Library | None:
     return Library(key, lib_path, digest, mod.ffi, mod.lib)
 
 
+# how long a process waits for another one's build of the same kernel before building it beside
+# it, as without the lock: builds take seconds, so a holder past this is stopped (a suspended
+# batch job, ^Z) or hung, and must not hold up every job that shares the cache
+BUILD_LOCK_WAIT_S = 120.0
+
+
 @contextlib.contextmanager
 def _one_builder(entry: Path):
     """Held while a process builds `entry`: another process that needs the same kernel at the
     same time (the ranks of a job started on an empty cache, the suite's workers) waits here,
     then loads what the first one built, instead of compiling it again beside it. flock: the
     operating system drops the lock of a process that dies, so a killed build never holds up
-    the next. Where the filesystem offers no locks, each process builds on its own."""
+    the next. Where the filesystem offers no locks, or the holder keeps it past
+    BUILD_LOCK_WAIT_S, this process builds on its own (the atomic renames keep that safe)."""
     try:
         f = open(entry / ".build.lock", "a")
     except OSError:
         f = None
     try:
-        if f is not None:
+        deadline = time.monotonic() + BUILD_LOCK_WAIT_S
+        while f is not None:
             try:
-                fcntl.flock(f, fcntl.LOCK_EX)
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
             except OSError:
-                pass
+                break
         yield
     finally:
         if f is not None:
