@@ -238,11 +238,14 @@ def _one_builder(entry: Path):
     then loads what the first one built, instead of compiling it again beside it. flock: the
     operating system drops the lock of a process that dies, so a killed build never holds up
     the next. Where the filesystem offers no locks, or the holder keeps it past
-    BUILD_LOCK_WAIT_S, this process builds on its own (the atomic renames keep that safe)."""
+    BUILD_LOCK_WAIT_S, this process builds on its own (the atomic renames keep that safe).
+    Yields whether another process held the lock: only then may the entry have changed since
+    this one looked (so only then is it looked at, and hashed, again)."""
     try:
         f = open(entry / ".build.lock", "a")
     except OSError:
         f = None
+    waited = False
     try:
         deadline = time.monotonic() + BUILD_LOCK_WAIT_S
         while f is not None:
@@ -250,12 +253,13 @@ def _one_builder(entry: Path):
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
+                waited = True
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0.05)
             except OSError:
                 break
-        yield
+        yield waited
     finally:
         if f is not None:
             f.close()                   # (releases the lock)
@@ -274,16 +278,13 @@ def _object(source: str, flags: tuple[str, ...], cc: str) -> Path:
         if found is not None:
             return found[0]
         entry.mkdir(parents=True, exist_ok=True)
-        with _one_builder(entry):
-            return _object_built(source, flags, cc, key, entry)
+        with _one_builder(entry) as waited:
+            found = _verified_file(entry, key, "linking") if waited else None    # (built meanwhile?)
+            return found[0] if found else _object_built(source, flags, cc, key, entry)
 
 
 def _object_built(source: str, flags: tuple[str, ...], cc: str, key: str, entry: Path) -> Path:
-    """_object's build, under the entry's builder lock (another process may have built it
-    while this one waited for the lock)."""
-    found = _verified_file(entry, key, "linking")
-    if found is not None:
-        return found[0]
+    """_object's build, under the entry's builder lock."""
     with tempfile.TemporaryDirectory(dir=entry, prefix=".build-") as tmp:
         t0 = time.perf_counter()
         c_file, obj = Path(tmp) / "object.c", Path(tmp) / "object.o"
@@ -365,11 +366,8 @@ def sanitize_flags() -> tuple[str, ...]:
 
 def _library_built(source: str, cdef: str, flags: tuple[str, ...], cc: str, key: str, skey: str,
                    entry: Path, objects: tuple[str, ...], meta: dict | None) -> Library:
-    """build()'s compile, under the entry's builder lock: the library another process built
-    while this one waited, else this one's. Its linked objects compile beside its own source."""
-    lib = _load_verified(entry, key)
-    if lib is not None:
-        return lib
+    """build()'s compile, under the entry's builder lock. Its linked objects compile beside its
+    own source."""
     with tempfile.TemporaryDirectory(dir=entry, prefix=".build-") as tmp:
         t0 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(max(1, len(objects))) as pool:
@@ -421,8 +419,9 @@ def build(source: str, cdef: str, flags: tuple[str, ...] = (), *, meta: dict | N
         if lib is None:
             cc_path = compiler()     # only now is a compiler needed
             entry.mkdir(parents=True, exist_ok=True)
-            with _one_builder(entry):
-                lib = _library_built(source, cdef, flags, cc_path, key, skey, entry, objects, meta)
+            with _one_builder(entry) as waited:
+                lib = ((_load_verified(entry, key) if waited else None)     # (built meanwhile?)
+                       or _library_built(source, cdef, flags, cc_path, key, skey, entry, objects, meta))
         with _lock:
             _loaded[key] = lib
         return lib
