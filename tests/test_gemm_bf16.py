@@ -666,19 +666,29 @@ def test_every_bf16_backend_compiles_standalone(name, tmp_path):
                                                   (1, False, {"prefetch_a": 1, "prefetch_b": 2, "sink_every": 4,
                                                               "k_unroll": 2})]
                                                  if isa == "amx" and not emulated else [])
-    def compile_one(i, threads, a_outer, more):
-        p = bf16_params(isa, threads, a_outer=a_outer, **more)
-        sources = [render_gemm(p, emulate_tiles=emulated), *render_gemm_objects(p, emulate_tiles=emulated).values()]
-        for j, src in enumerate(sources):
-            (tmp_path / f"{isa}{i}_{j}.c").write_text(src)
+    flags = ["-O3", "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-fPIC", *GEMM_ISAS[isa].cflags,
+             *(EMULATED_TILE_FLAGS if emulated else ())]
+    renders = [(render_gemm(p, emulate_tiles=emulated), tuple(render_gemm_objects(p, emulate_tiles=emulated).values()))
+               for p in (bf16_params(isa, threads, a_outer=a_outer, **more) for threads, a_outer, more in variants)]
+    # the linked objects (the skinny paths: the same source for every variant) compile once
+    objects = {src: tmp_path / f"{isa}_object{j}" for j, src in enumerate(dict.fromkeys(o for _, objs in renders for o in objs))}
+
+    def compile_to(src, path):
+        path.with_suffix(".c").write_text(src)
+        return subprocess.run(["gcc", *flags, "-c", str(path.with_suffix(".c")), "-o", str(path.with_suffix(".o"))],
+                              capture_output=True, text=True)
+
+    def link(i, objs):
         # every symbol resolved inside the library: the skinny paths' object linked in
         # (with the flags autohc builds it with: emulated tiles also EMULATED_TILE_FLAGS)
-        cmd = ["gcc", "-O3", "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared", "-Wl,--no-undefined",
-               *GEMM_ISAS[isa].cflags, *(EMULATED_TILE_FLAGS if emulated else ()), *(str(tmp_path / f"{isa}{i}_{j}.c") for j in range(len(sources))),
-               "-o", str(tmp_path / f"{isa}{i}.so"), "-lpthread"]
-        return subprocess.run(cmd, capture_output=True, text=True)
+        return subprocess.run(["gcc", *flags, "-shared", "-Wl,--no-undefined", str(tmp_path / f"{isa}{i}.o"),
+                               *(str(objects[o].with_suffix(".o")) for o in objs), "-o", str(tmp_path / f"{isa}{i}.so"),
+                               "-lpthread"], capture_output=True, text=True)
+    jobs = [*objects.items(), *((src, tmp_path / f"{isa}{i}") for i, (src, _) in enumerate(renders))]
     with ThreadPoolExecutor(os.cpu_count() or 2) as pool:      # (gcc runs side by side)
-        for proc in pool.map(lambda v: compile_one(*v), [(i, *v) for i, v in enumerate(variants)]):
+        for proc in pool.map(lambda job: compile_to(*job), jobs):
+            assert proc.returncode == 0, proc.stderr
+        for proc in pool.map(lambda i: link(i, renders[i][1]), range(len(renders))):
             assert proc.returncode == 0, proc.stderr
     src = render_gemm(bf16_params(isa), emulate_tiles=emulated)
     if emulated:
