@@ -19,6 +19,38 @@ def test_help_teaches():
     assert r.returncode == 0 and "--threads" in r.stdout and "interleaved" in r.stdout
 
 
+HELP_OF_EVERY_COMMAND = """
+import argparse, contextlib, io, json, sys
+from autohc.cli import build_parser, main
+
+def commands(parser, path):
+    yield path
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from commands(sub, path + [name])
+
+seen = []
+for path in commands(build_parser(), []):
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        try:
+            main(path + ["--help"])
+        except SystemExit as e:
+            assert e.code == 0, (path, e.code)
+    assert "usage:" in out.getvalue(), path
+    seen.append(" ".join(path))
+print(json.dumps({"commands": seen, "torch": "torch" in sys.modules}))
+"""
+
+
+def test_help_of_every_command_answers_without_importing_torch():
+    """`--help` is read before anything runs: no command's help imports torch (seconds of it)."""
+    r = subprocess.run([sys.executable, "-c", HELP_OF_EVERY_COMMAND], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert {"", "train", "sample", "bench step", "bench sample", "tune", "encode"} <= set(out["commands"])
+    assert out["torch"] is False
+
 @pytest.mark.parametrize("args", [
     ["bench", "gemm", "--threads", "0"],
     ["bench", "gemm", "--threads", "two"],

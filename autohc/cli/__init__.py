@@ -84,7 +84,7 @@ class OneLineParser(argparse.ArgumentParser):
 def _step_args(p, model: str, batch: int | None, steps: int, model_note: str = "") -> None:
     """--model, --batch (unless None: the command has its own), --steps, --warmup of the
     training-step benchmarks."""
-    from ..dit.model import MODELS
+    from ..dit.sizes import MODELS
     p.add_argument("--model", default=model, choices=list(MODELS), metavar="NAME",
                    help=f"DiT size, one of {', '.join(MODELS)} (default: {model}{model_note})")
     if batch is not None:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..bench.results import add_save_argument, recorder
-from ..dit.model import MODELS
+from ..dit.sizes import MODELS
 from .argtypes import (automem_tier, non_negative_float, non_negative_int, output_dir, output_file,
                        positive_float, positive_int, sampling_steps, signal_name, unit_interval)
 
