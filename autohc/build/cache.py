@@ -28,6 +28,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import cffi
 
@@ -293,18 +294,30 @@ def _object_built(source: str, flags: tuple[str, ...], cc: str, key: str, entry:
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise BuildError(f"compiling object {key[:12]} failed:\n$ {' '.join(cmd)}\n{proc.stderr.strip()[-4000:]}")
-        digest = _sha256_file(obj)
-        final = entry / f"object.{digest[:16]}.o"
-        os.replace(obj, final)
-        (entry / "source.c").exists() or atomic_write_text(entry / "source.c", source)
-        atomic_write_text(entry / "record.json", json.dumps(
-            {"key": key, "file": final.name, "sha256": digest, "flags": list(flags),
-             "compiler": compiler_version(cc), "built_at": time.time(),
-             "build_seconds": round(time.perf_counter() - t0, 3)}, indent=1))
+        _keep(entry, obj, lambda digest: f"object.{digest[:16]}.o", source, {"key": key},
+              _record_tail(flags, cc, t0))
     found = _verified_file(entry, key, "linking")
     if found is None:
         raise BuildError(f"object {key[:12]} was built but cannot be verified in {entry}")
     return found[0]
+
+
+def _record_tail(flags: tuple[str, ...], cc: str, t0: float) -> dict:
+    return {"flags": list(flags), "compiler": compiler_version(cc), "built_at": time.time(),
+            "build_seconds": round(time.perf_counter() - t0, 3)}
+
+
+def _keep(entry: Path, built: Path, final_name: Callable[[str], str], source: str, head: dict,
+          tail: dict) -> None:
+    """A finished build into its entry: the file under a name from its sha256 (a concurrent
+    builder's file is never overwritten), its source beside it, and last the record that names
+    the file (`head`, the file and its sha256, `tail`), so that no record names a missing file."""
+    digest = _sha256_file(built)
+    final = entry / final_name(digest)
+    os.replace(built, final)
+    (entry / "source.c").exists() or atomic_write_text(entry / "source.c", source)
+    atomic_write_text(entry / "record.json", json.dumps({**head, "file": final.name, "sha256": digest, **tail},
+                                                        indent=1))
 
 
 def _compile(source: str, cdef: str, flags: tuple[str, ...], cc: str, key: str, workdir: Path) -> Path:
@@ -375,16 +388,10 @@ def _library_built(source: str, cdef: str, flags: tuple[str, ...], cc: str, key:
             main = _compile(source, cdef, flags, cc, key, Path(tmp))
             linked = tuple(f.result() for f in pending)
         so = _link(main, linked, flags, cc, key)
-        digest = _sha256_file(so)
-        # unique final name: a concurrent builder's library is never overwritten
-        final = entry / f"{so.stem}.{digest[:16]}{''.join(so.suffixes[-1:])}"
-        os.replace(so, final)
-        (entry / "source.c").exists() or atomic_write_text(entry / "source.c", source)
-        record = {"key": key, "source_key": skey, "file": final.name, "sha256": digest, "flags": list(flags),
-                  "compiler": compiler_version(cc), "built_at": time.time(),
-                  "build_seconds": round(time.perf_counter() - t0, 3),
-                  **({"objects": [o.parent.name for o in linked]} if linked else {}), **(meta or {})}
-        atomic_write_text(entry / "record.json", json.dumps(record, indent=1))
+        _keep(entry, so, lambda digest: f"{so.stem}.{digest[:16]}{''.join(so.suffixes[-1:])}", source,
+              {"key": key, "source_key": skey},
+              {**_record_tail(flags, cc, t0), **({"objects": [o.parent.name for o in linked]} if linked else {}),
+               **(meta or {})})
     lib = _load_verified(entry, key)
     if lib is None:
         raise BuildError(f"kernel {key[:12]} was built but cannot be verified in {entry}")
