@@ -159,6 +159,11 @@ def add_parsers(sub, bsub) -> None:
     t.add_argument("--no-first-use-tuning", action="store_true",
                    help="do not tune GEMM problems the registry lacks on first use (a few seconds "
                         "each; AUTOHC_FIRST_USE=0 does the same)")
+    t.add_argument("--no-memory-check", action="store_true",
+                   help="start even where the step would need more memory than this machine (or "
+                        "the job's limit) has: before the first step, the activations are measured "
+                        "on a forward of 1 and 2 images, and a run that does not fit is refused in "
+                        "one line with the largest --batch that fits")
     t.add_argument("--lr", type=positive_float, default=1e-3,
                    help="AdamW learning rate (default: 1e-3; the DiT paper uses 1e-4 for ImageNet)")
     t.add_argument("--weight-decay", type=non_negative_float, default=0.0, help="AdamW weight decay (default: 0)")
@@ -465,8 +470,29 @@ def _train_in_group(args, launch) -> int:
         except ValueError as e:
             print(f"autohc: {e}", file=sys.stderr)
             return 1
+        if not args.no_memory_check and not _fits_in_memory(trainer, launch):
+            return 2
         trainer.stop = stop
         return _run_trainer(trainer, args, launch)
+
+
+def _fits_in_memory(trainer, launch) -> bool:
+    """Whether the run fits in every rank's memory (dit/memory_check.py); where it does not,
+    every rank says so and none starts."""
+    from ..dit import memory_check
+    from ..runtime import dist
+    why = None
+    try:
+        memory_check.check(trainer)
+    except memory_check.MemoryShortError as e:
+        why = str(e)
+    _, short = dist.average_with_flags(0.0, [why is not None])
+    if why is not None:
+        print(f"autohc: {why}", file=sys.stderr)
+    elif short:
+        print(f"autohc: rank {launch.rank}: another rank has too little memory for this run (its line says why)",
+              file=sys.stderr)
+    return not short
 
 
 def _run_trainer(trainer, args, launch) -> int:
