@@ -112,3 +112,37 @@ def test_ranks_on_this_node_from_each_launcher():
     assert memory_check.local_ranks({"LOCAL_WORLD_SIZE": "4"}) == 4
     assert memory_check.local_ranks({"OMPI_COMM_WORLD_LOCAL_SIZE": "2"}) == 2
     assert memory_check.local_ranks({"SLURM_NTASKS_PER_NODE": "8(x3)"}) == 8
+
+
+ONE_RANK_SHORT = """
+import os, sys
+from autohc.cli import main
+from autohc.dit import memory_check
+real = memory_check.room
+if os.environ["RANK"] == "1":       # this rank's node has no room
+    memory_check.room = lambda: (0, "available (test)")
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.xdist_group("net")     # torchrun's default port (tests/test_dist.py)
+def test_one_rank_without_room_stops_every_rank_before_the_first_step(tmp_path):
+    """Under torchrun, a rank whose node has too little memory says so, the other says why it
+    stops too, and neither starts: exit 2, no --out made."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    script = tmp_path / "one_rank_short.py"
+    script.write_text(ONE_RANK_SHORT)
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMI_", "SLURM_", "PMIX_")) and k not in ("RANK", "WORLD_SIZE")}
+    r = subprocess.run([shutil.which("torchrun") or pytest.fail("torchrun not found"), "--nproc-per-node", "2",
+                        str(script), *TRAIN, "--batch", "8", "--out", str(out)], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode != 0
+    assert r.stderr.count("autohc: --batch 8 of DiT-Ti/8 needs about") == 1, r.stderr[-3000:]
+    assert "autohc: rank 0: another rank has too little memory for this run" in r.stderr
+    assert "exitcode  : 2" in r.stderr or "exit code 2" in r.stderr or "(exitcode: 2)" in r.stderr, r.stderr[-3000:]
+    assert not out.exists()
