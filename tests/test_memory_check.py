@@ -31,27 +31,14 @@ def test_saved_activations_grow_by_the_same_bytes_with_each_image():
 def test_a_run_that_does_not_fit_is_refused_and_the_batch_it_names_fits(tmp_path, capsys, monkeypatch):
     """With room for the model's state and about 20 images, --batch 1000 is one line and exit 2,
     nothing written; the --batch it names passes the same check and trains."""
-    per_image = None
-    real_probe = memory_check.saved_activation_bytes
-
-    def probe(*args):
-        nonlocal per_image
-        one, two = (real_probe(*args[:-1], b) for b in (1, 2))
-        per_image = two - one
-        return real_probe(*args)
-    monkeypatch.setattr(memory_check, "saved_activation_bytes", probe)
-    state = {}
-
-    def room():
-        fixed = state["fixed"]
-        return fixed + int(20.5 * per_image * (1 + memory_check.TRANSIENT_SHARE)), "available (test)"
     real_estimate = memory_check.estimate
 
     def estimate(trainer):
-        params = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
-        state["fixed"] = params * memory_check.GRAD_AND_MOMENTS_BYTES + memory_check.TRANSIENT_BYTES
+        monkeypatch.setattr(memory_check, "room", lambda world=1: (0, "none"))
+        probe = real_estimate(trainer)
+        room = probe.fixed + int(20.5 * probe.per_image * (1 + memory_check.TRANSIENT_SHARE))
+        monkeypatch.setattr(memory_check, "room", lambda world=1: (room, "available (test)"))
         return real_estimate(trainer)
-    monkeypatch.setattr(memory_check, "room", room)
     monkeypatch.setattr(memory_check, "estimate", estimate)
     out = tmp_path / "run"
     err = one_line_exit_2(capsys, [*TRAIN, "--batch", "1000", "--out", str(out)], must_not_exist=out)
@@ -69,7 +56,7 @@ def test_no_memory_check_and_automem_skip_what_they_skip(tmp_path, capsys, monke
     parameters' state must fit."""
     steps = [*TRAIN[:TRAIN.index("--steps")], "--steps", "3", *TRAIN[TRAIN.index("--steps") + 2:]]
     assert main([*steps, "--batch", "8", "--out", str(tmp_path / "checked")]) == 0
-    monkeypatch.setattr(memory_check, "room", lambda: (0, "available (test)"))
+    monkeypatch.setattr(memory_check, "room", lambda world=1: (0, "available (test)"))
     out = tmp_path / "a"
     assert main([*steps, "--batch", "8", "--out", str(out), "--no-memory-check"]) == 0
     assert (out / "losses.csv").read_text() == (tmp_path / "checked" / "losses.csv").read_text()
@@ -108,10 +95,29 @@ def test_the_room_under_a_cgroup_limit(tmp_path, layout):
 
 
 def test_ranks_on_this_node_from_each_launcher():
-    assert memory_check.local_ranks({}) == 1
-    assert memory_check.local_ranks({"LOCAL_WORLD_SIZE": "4"}) == 4
-    assert memory_check.local_ranks({"OMPI_COMM_WORLD_LOCAL_SIZE": "2"}) == 2
-    assert memory_check.local_ranks({"SLURM_NTASKS_PER_NODE": "8(x3)"}) == 8
+    """The room is shared by the job's ranks on the node; a job of one process has it alone
+    (a Slurm allocation's other tasks need not be this job's)."""
+    assert memory_check.local_ranks(8, {}) == 1
+    assert memory_check.local_ranks(8, {"LOCAL_WORLD_SIZE": "4"}) == 4
+    assert memory_check.local_ranks(8, {"OMPI_COMM_WORLD_LOCAL_SIZE": "2"}) == 2
+    assert memory_check.local_ranks(24, {"SLURM_NTASKS_PER_NODE": "8(x3)"}) == 8
+    assert memory_check.local_ranks(1, {"SLURM_NTASKS_PER_NODE": "8"}) == 1
+    assert memory_check.local_ranks(2, {"LOCAL_WORLD_SIZE": "4"}) == 2
+
+
+def test_automem_tiers_count_what_stays_in_memory(tmp_path):
+    """Saved activations sent to files are not counted, float32 ones sent to bf16 copies at half
+    (an fp32 run's are float32), another NUMA node's memory in full (the same machine's)."""
+    from autohc.dit.train import TrainConfig, Trainer
+
+    def estimate(automem):
+        cfg = TrainConfig(model="DiT-Ti/8", data="digits", steps=1, batch=8, out=str(tmp_path / "x"),
+                          precision="fp32", automem=automem)
+        return memory_check.estimate(Trainer(cfg))
+    plain, half, none = estimate(None), estimate("bf16"), estimate("file")
+    assert plain.per_image > 0 and none.per_image == 0 and none.activations == 0
+    assert 0.45 * plain.per_image < half.per_image < 0.55 * plain.per_image     # (int and bool ones in full)
+    assert plain.state == half.state == none.state
 
 
 ONE_RANK_SHORT = """
@@ -120,7 +126,7 @@ from autohc.cli import main
 from autohc.dit import memory_check
 real = memory_check.room
 if os.environ["RANK"] == "1":       # this rank's node has no room
-    memory_check.room = lambda: (0, "available (test)")
+    memory_check.room = lambda world=1: (0, "available (test)")
 sys.exit(main(sys.argv[1:]))
 """
 
