@@ -51,6 +51,36 @@ def test_help_of_every_command_answers_without_importing_torch():
     assert {"", "train", "sample", "bench step", "bench sample", "tune", "encode"} <= set(out["commands"])
     assert out["torch"] is False
 
+BAD_INPUT_BEFORE_TORCH = """
+import contextlib, io, json, sys
+from autohc.cli import main
+cases = [["sample", "--ckpt", "/no/such/run"], ["eval", "--ckpt", "/no/such/run"],
+         ["compare", "/no/such/run", "/no/such/other"], ["train", "--data", "bogus"],
+         ["train", "--data", "folder:"], ["train", "--data", "digits:extra"]]
+said = []
+for argv in cases:
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+    said.append([code, err.getvalue().strip()])
+print(json.dumps({"said": said, "torch": "torch" in sys.modules}))
+"""
+
+
+def test_a_missing_checkpoint_or_a_malformed_data_spec_is_answered_before_torch_loads():
+    """Input the parser can judge alone is refused by it: one line, exit 2, and no torch import
+    (seconds) before the answer."""
+    r = subprocess.run([sys.executable, "-c", BAD_INPUT_BEFORE_TORCH], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    for code, err in out["said"]:
+        assert code == 2 and "\n" not in err and err.startswith("autohc "), err
+    assert all("no such checkpoint file or folder" in err for _, err in out["said"][:3])
+    assert all("expected digits, synthetic, folder:PATH" in err for _, err in out["said"][3:])
+    assert out["torch"] is False
+
 @pytest.mark.parametrize("args", [
     ["bench", "gemm", "--threads", "0"],
     ["bench", "gemm", "--threads", "two"],
@@ -251,8 +281,8 @@ def test_bench_gemm_runs_numpy_on_openblas_own_kernels(tmp_path):
     ["export", "--out", "{file}"],
     ["report", "--out", "{file}"],
     ["train", "--data", "digits", "--steps", "2", "--out", "{file}/run"],
-    ["sample", "--ckpt", "nonexistent.pt", "--out", "{file}/s.png"],
-    ["sample", "--ckpt", "nonexistent.pt", "--out", "{dir}"],
+    ["sample", "--ckpt", "{file}", "--out", "{file}/s.png"],
+    ["sample", "--ckpt", "{file}", "--out", "{dir}"],
     ["encode", "--data", "folder:{dir}", "--vae", "none", "--out", "{file}"],
     ["bench", "gemm", "--model", "dit-s", "--images", "1", "--save", "{file}/results"],
 ])

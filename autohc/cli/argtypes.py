@@ -99,6 +99,24 @@ def output_file(text: str) -> str:
     return _writable_place(text, want_dir=False)
 
 
+def data_spec(text: str) -> str:
+    """`autohc train --data`: a SPEC of a known form (the files it names are read later)."""
+    from ..dit.data_spec import parse
+    try:
+        parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix(f"--data {text!r}: ") + f", got {text!r}") from None
+    return text
+
+
+def checkpoint_path(text: str) -> str:
+    """A checkpoint file or a run folder that exists (what is in it is read later)."""
+    from pathlib import Path
+    if not Path(text).expanduser().exists():
+        raise argparse.ArgumentTypeError(f"{text}: no such checkpoint file or folder")
+    return text
+
+
 def signal_name(text: str) -> int:
     """A signal by name or number (TERM, USR1, SIGUSR2, 10)."""
     from ..runtime.preempt import parse_signal

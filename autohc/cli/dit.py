@@ -9,8 +9,8 @@ from pathlib import Path
 
 from ..bench.results import add_save_argument, recorder
 from ..dit.sizes import MODELS
-from .argtypes import (automem_tier, non_negative_float, non_negative_int, output_dir, output_file,
-                       positive_float, positive_int, sampling_steps, signal_name, unit_interval)
+from .argtypes import (automem_tier, checkpoint_path, data_spec, non_negative_float, non_negative_int, output_dir,
+                       output_file, positive_float, positive_int, sampling_steps, signal_name, unit_interval)
 
 # bench/step.py's MODES, spelled here so that parsing the command line does not import torch
 # (autohc train sets torch's OpenMP spin before torch loads); a test keeps the two equal
@@ -101,7 +101,7 @@ def add_parsers(sub, bsub) -> None:
                        epilog=TRAIN_EPILOG)
     t.add_argument("--model", default=None, choices=list(MODELS), metavar="NAME",
                    help=f"one of {models} (default: DiT-Ti/2, or the size of --init's or --resume's checkpoint)")
-    t.add_argument("--data", default="digits",
+    t.add_argument("--data", default="digits", type=data_spec,
                    help="digits | folder:PATH | npy:PATH | latents:DIR | synthetic (default: digits)")
     t.add_argument("--init", default=None, metavar="CKPT",
                    help="fine-tune from these weights: a facebookresearch/DiT state dict (.pt, .safetensors; "
@@ -218,7 +218,8 @@ on a batch cluster: SIGTERM or --stop-signal (default USR1, e.g. #SBATCH --signa
   the batches in flight end, their shards are written, exit 75; the same command continues
 exit codes: 0 done, 1 error, 2 bad input / another set's --out / a shard not written,
   75 stopped by a signal (shards kept), 128+N a second signal N (exited at once)""")
-    s.add_argument("--ckpt", required=True, help="checkpoint file, or a run folder (its newest)")
+    s.add_argument("--ckpt", required=True, type=checkpoint_path,
+                   help="checkpoint file, or a run folder (its newest)")
     s.add_argument("--classes", type=int, nargs="+", default=None,
                    help="classes (default: a grid the first 10, a set all of the model's, drawn uniformly)")
     s.add_argument("--per-class", type=positive_int, default=None, help="grid: samples per class (default: 8)")
@@ -265,7 +266,8 @@ exit codes: 0 done, 1 error, 2 bad input / another set's --out / a shard not wri
                                    "the share classified as the class asked for and the Fréchet "
                                    "distance to the real digits in the classifier's feature space.",
                        epilog="example:  autohc eval --ckpt runs/digits --per-class 100 --json")
-    e.add_argument("--ckpt", required=True, help="checkpoint file, or a run folder (its newest)")
+    e.add_argument("--ckpt", required=True, type=checkpoint_path,
+                   help="checkpoint file, or a run folder (its newest)")
     _eval_args(e)
 
     c = sub.add_parser("compare", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -280,7 +282,8 @@ exit codes: 0 done, 1 error, 2 bad input / another set's --out / a shard not wri
                               "  autohc train --data digits --steps 2000 --precision fp32 --out runs/digits\n"
                               "  autohc train --data digits --steps 2000 --out runs/digits-bf16 --precision bf16\n"
                               "  autohc compare runs/digits runs/digits-bf16")
-    c.add_argument("runs", nargs="+", metavar="RUN", help="run folders (or checkpoint files); the first is the baseline")
+    c.add_argument("runs", nargs="+", metavar="RUN", type=checkpoint_path,
+                   help="run folders (or checkpoint files); the first is the baseline")
     c.add_argument("--out", default=None, type=output_file, help="plot path (default: compare.png in the last run's folder)")
     _eval_args(c)
     add_save_argument(c)

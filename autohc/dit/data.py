@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import data_spec
+
 LATENTS_FORMAT = "autohc-latents-1"      # meta.json of an `autohc encode` folder (dit/encode.py)
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
 
@@ -50,18 +52,19 @@ class Dataset:
 
 def load(spec: str, *, image_size: int | None = None, channels: int = 3, num: int = 4096,
          num_classes: int = 10, seed: int = 0) -> Dataset:
-    kind, _, arg = spec.partition(":")
-    if kind == "digits" and not arg:
+    try:
+        kind, arg = data_spec.parse(spec)
+    except ValueError as e:
+        raise DataError(str(e)) from None
+    if kind == "digits":
         return digits()
-    if kind == "synthetic" and not arg:
+    if kind == "synthetic":
         return synthetic(image_size or 32, channels, num, num_classes, seed)
-    if kind == "folder" and arg:
+    if kind == "folder":
         return folder(Path(arg), image_size)
-    if kind == "npy" and arg:
+    if kind == "npy":
         return npy(Path(arg))
-    if kind == "latents" and arg:
-        return latents(Path(arg))
-    raise DataError(f"--data {spec!r}: expected digits, synthetic, folder:PATH, npy:PATH or latents:DIR")
+    return latents(Path(arg))
 
 
 def digits() -> Dataset:
