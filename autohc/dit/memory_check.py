@@ -12,8 +12,8 @@ What a step adds to what the process already holds:
   forward at batch 1 and 2 with a saved-tensor hook counting each storage once (the parameters
   left out), so the bytes an image are the difference of the two, on the code path the run takes
   (its precision, autohc's fused ops or not);
-  (what the forward saves whatever the batch, e.g. stock autocast's bf16 copies of the weights,
-  is the two's difference too, and counted once);
+- what the forward saves whatever the batch (stock autocast's bf16 copies of the weights), from
+  the same two, counted once;
 - a margin for what lives only inside the backward (activation gradients, kernel workspace):
   TRANSIENT_SHARE of the activations and TRANSIENT_BYTES.
 Against: psutil's available memory, or the room under the process's cgroup limit where that is
