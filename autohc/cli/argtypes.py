@@ -101,11 +101,11 @@ def output_file(text: str) -> str:
 
 def data_spec(text: str) -> str:
     """`autohc train --data`: a SPEC of a known form (the files it names are read later)."""
-    from ..dit.data_spec import parse
+    from ..dit.data_spec import FORMS, parse
     try:
         parse(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix(f"--data {text!r}: ") + f", got {text!r}") from None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {FORMS}, got {text!r}") from None
     return text
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 # kind -> whether it takes an argument after the colon
 KINDS = {"digits": False, "synthetic": False, "folder": True, "npy": True, "latents": True}
+FORMS = "digits, synthetic, folder:PATH, npy:PATH or latents:DIR"
 
 
 def parse(spec: str) -> tuple[str, str]:
@@ -11,4 +12,4 @@ def parse(spec: str) -> tuple[str, str]:
     kind, _, arg = spec.partition(":")
     if kind in KINDS and bool(arg) == KINDS[kind]:
         return kind, arg
-    raise ValueError(f"--data {spec!r}: expected digits, synthetic, folder:PATH, npy:PATH or latents:DIR")
+    raise ValueError(f"--data {spec!r}: expected {FORMS}")
