@@ -100,7 +100,7 @@ def test_a_choice_is_remembered_only_once_settled(fresh):
     asked = []
     settled = {"now": False}
 
-    def hook(layout, M, K, N, threads, dtype, c_fp32):
+    def hook(layout, M, K, N, threads, dtype, c_fp32, w_fp32):
         asked.append((layout, M, K, N))
         return None, settled["now"]
     at = lambda: gm.tuned_params(512, 384, 1152, (384, 1), (1, 384), 1)   # noqa: E731
@@ -457,13 +457,13 @@ def test_aten_is_kept_only_where_it_wins_the_race_and_the_one_after(fresh, monke
 
 
 def _record_what_starts_a_tuning(monkeypatch) -> list:
-    """(layout, dtype, c_fp32) of each tuning started from here on; none runs (skipped)."""
+    """(layout, dtype, c_fp32, w_fp32) of each tuning started from here on; none runs (skipped)."""
     from autohc.kernels.gemm.kernel import default_kernel_params
     from autohc.kernels.gemm.problem import GemmProblem
     met = []
 
-    def start(layout, M, K, N, threads, dtype, c_fp32=False):
-        met.append((layout, dtype, c_fp32))
+    def start(layout, M, K, N, threads, dtype, c_fp32=False, w_fp32=False):
+        met.append((layout, dtype, c_fp32, w_fp32))
         return first_use.Tuning(GemmProblem("first-use", layout, M, K, N), threads,
                                 default_kernel_params(threads, dtype=dtype), [], state="skipped")
     monkeypatch.setattr(first_use, "_start", start)
@@ -489,7 +489,7 @@ def test_the_call_that_meets_a_bf16_problem_says_whether_its_c_is_fp32(fresh, mo
     except KernelError:                 # (the widened fallback has no bf16 store; the problem was met)
         assert default_kernel_params(1, dtype="bf16").isa not in BF16_ISAS
     gemm_into(dy.float().t(), x.float(), dw, 1.0, 0.0, 1)
-    assert met == [("TN", "bf16", True), ("TN", "bf16", False), ("TN", "fp32", False)]
+    assert met == [("TN", "bf16", True, False), ("TN", "bf16", False, False), ("TN", "fp32", False, False)]
 
 
 def test_bench_gemm_races_a_bf16_problem_as_training_meets_it(fresh, monkeypatch):
@@ -504,7 +504,21 @@ def test_bench_gemm_races_a_bf16_problem_as_training_meets_it(fresh, monkeypatch
         row = bench.bench_problem(GemmProblem("t", layout, 64, 48, 40), 1, repeats=1, dtype=dtype,
                                   with_numpy=False, target_seconds=0.01)
         assert row.gflops > 0 and row.torch_gflops > 0
-    assert met == [("TN", "bf16", True), ("NT", "bf16", False), ("NN", "bf16", False), ("TN", "fp32", False)]
+    assert met == [("TN", "bf16", True, False), ("NT", "bf16", False, False), ("NN", "bf16", False, False),
+                   ("TN", "fp32", False, False)]
+
+
+def _contenders_watching_aten(t, watch) -> tuple[dict, torch.Tensor]:
+    """first_use._contenders of `t` (the default alone against ATen), ATen's contender calling
+    watch(a, b, out) before its product."""
+    def aten(a, b, out):
+        watch(a, b, out)
+        torch.mm(a, b, out=out)
+    first_use.set_aten_runner(aten)
+    try:
+        return first_use._contenders(t, {"default": t.default}, torch.bfloat16)
+    finally:
+        first_use.set_aten_runner(None)
 
 
 @pytest.mark.parametrize("c_fp32", [True, False])
@@ -514,17 +528,9 @@ def test_a_bf16_race_times_atens_contender_into_the_calls_c(fresh, c_fp32):
     from autohc.kernels.gemm.kernel import default_kernel_params
     from autohc.kernels.gemm.problem import GemmProblem
     c_dtypes = []
-
-    def aten(a, b, out):
-        c_dtypes.append(out.dtype)
-        torch.mm(a, b, out=out)
     t = first_use.Tuning(GemmProblem("first-use", "TN", 40, 96, 24), 1,
                          default_kernel_params(1, dtype="bf16"), [], c_fp32=c_fp32)
-    first_use.set_aten_runner(aten)
-    try:
-        runs, out = first_use._contenders(t, {"default": t.default}, torch.bfloat16)
-    finally:
-        first_use.set_aten_runner(None)
+    runs, out = _contenders_watching_aten(t, lambda a, b, out: c_dtypes.append(out.dtype))
     assert sorted(runs) == ["aten", "default"] and out.dtype == (torch.float32 if c_fp32 else torch.bfloat16)
     a, b = t.problem.operands(seed=1, dtype=torch.bfloat16)
     runs["default"]()
@@ -570,7 +576,7 @@ def test_an_older_entry_giving_atens_uncast_product_a_weight_gradient_is_raced_a
     from autohc.kernels.gemm.kernel import default_kernel_params
     asked = []
 
-    def hook(layout, M, K, N, threads, dtype, c_fp32):
+    def hook(layout, M, K, N, threads, dtype, c_fp32, w_fp32):
         asked.append(c_fp32)
         return None, True
     bf16 = default_kernel_params(1, dtype="bf16")
@@ -591,6 +597,99 @@ def test_an_older_entry_giving_atens_uncast_product_a_weight_gradient_is_raced_a
         gm.set_registry_miss_hook(None)                 # first-use tuning off: the entry stands
         registry.record("gemm", "TN", 384, 1152, 2048, 1, bf16, 100.0, 110.0, source="first-use",
                         default_gflops=100.0, default_kept=True, aten_faster=True)
+        assert at(True) == (bf16, True)
+    finally:
+        gm.set_registry_miss_hook(None)
+
+
+def test_the_call_that_meets_a_bf16_problem_on_an_fp32_weight_says_so(fresh, monkeypatch):
+    """autocast's forward and dX read a Linear's fp32 weight as B (gemm_bf16_into rounds it while
+    packing; ATen's way back casts it each call): their problem's tuning starts as w_fp32; the same
+    product on a bf16 B does not."""
+    from autohc.kernels.gemm.kernel import KernelError
+    from autohc.kernels.gemm.matmul import gemm_bf16_into
+    met = _record_what_starts_a_tuning(monkeypatch)
+    first_use.enable()
+    g = torch.Generator().manual_seed(12)
+    x, w = torch.randn(96, 40, generator=g).bfloat16(), torch.randn(24, 40, generator=g)
+    for b in (w.t(), w.bfloat16().t()):
+        try:
+            gemm_bf16_into(x, b, torch.empty(96, 24, dtype=torch.bfloat16), 1.0, 1)
+        except KernelError:             # (the widened fallback has no bf16 store; the problem was met)
+            pass
+    assert met == [("NT", "bf16", False, True)]     # (one tuning a problem: the first call's form)
+    first_use.forget()
+    try:
+        gemm_bf16_into(x, w.bfloat16().t(), torch.empty(96, 24, dtype=torch.bfloat16), 1.0, 1)
+    except KernelError:
+        pass
+    assert met[1:] == [("NT", "bf16", False, False)]
+
+
+def test_a_race_on_an_fp32_weight_casts_it_inside_atens_timed_run(fresh):
+    """With w_fp32 autohc's contenders read B in float32 (rounded while packing) and ATen's
+    contender casts it to bf16 on every run, as its way back does; both give the product of the
+    rounded weight. The entry says w_fp32, and so does `autohc info`'s line."""
+    from autohc.bench import timing
+    from autohc.cli.kernels import _first_use_entries
+    from autohc.kernels.gemm.kernel import default_kernel_params
+    from autohc.kernels.gemm.problem import GemmProblem
+    bs = []
+    t = first_use.Tuning(GemmProblem("first-use", "NT", 40, 96, 24), 1,
+                         default_kernel_params(1, dtype="bf16"), [], w_fp32=True)
+    runs, out = _contenders_watching_aten(t, lambda a, b, out: bs.append(b))
+    a, w = t.problem.operands(seed=1, dtype=torch.bfloat16)[0], t.problem.operands(seed=1)[1]
+    assert w.dtype == torch.float32 and out.dtype == torch.bfloat16
+    runs["aten"](), runs["aten"]()
+    assert len(bs) == 2 and bs[0] is not bs[1]                      # a cast in every run
+    assert all(b.dtype == torch.bfloat16 and torch.equal(b, w.bfloat16()) for b in bs)
+    want = torch.mm(a, w.bfloat16())
+    assert torch.equal(out, want)
+    out.zero_()
+    runs["default"]()
+    ref = a.double() @ w.bfloat16().double()                         # (the rounded weight's product)
+    bound = 2 ** -8 * ref.abs() + 2.0 * 100 * U32 * (a.double().abs() @ w.bfloat16().double().abs())
+    assert bool(((out.double() - ref).abs() <= bound).all())         # (one bf16 rounding of C)
+    first_use.set_aten_runner(lambda a, b, out: torch.mm(a, b, out=out))
+    try:
+        first_use._race(t)
+    finally:
+        first_use.set_aten_runner(None)
+    entry, = registry.entries_for_this_cpu("gemm").values()
+    assert entry["w_fp32"] is True and entry["c_fp32"] is False
+    assert ["raced on an fp32 weight" in line for line in _first_use_entries(registry)] == [True]
+
+
+def test_an_entry_giving_atens_product_on_a_bf16_weight_is_raced_again_for_an_fp32_one(fresh):
+    """An entry that gave ATen a forward problem raced on a bf16 B (no w_fp32 field, or false) is
+    raced again when a call on an fp32 weight meets it (ATen's way back would add the cast); a
+    call on a bf16 B keeps it, and so does every call once the entry was raced on an fp32
+    weight, or where first-use tuning is off."""
+    from autohc.kernels.gemm import matmul as gm
+    from autohc.kernels.gemm.kernel import default_kernel_params
+    asked = []
+
+    def hook(layout, M, K, N, threads, dtype, c_fp32, w_fp32):
+        asked.append(w_fp32)
+        return None, True
+    bf16 = default_kernel_params(1, dtype="bf16")
+    rec = lambda **kw: registry.record("gemm", "NT", 192, 1152, 64, 1, bf16, 100.0, 110.0,   # noqa: E731
+                                       source="first-use", default_gflops=100.0, default_kept=True,
+                                       aten_faster=True, **kw)
+    sa, sb = (192, 1), (1, 192)                      # X, Wᵀ (a transposed view): M 64, K 192, N 1152
+    at = lambda w_fp32: gm._choice(64, 192, 1152, sa, sb, 1, "bf16", False, w_fp32)   # noqa: E731
+    try:
+        gm.set_registry_miss_hook(hook)
+        for old in ({}, {"c_fp32": False, "w_fp32": False}):
+            gm.forget_choices()
+            rec(**old)
+            assert at(False) == (bf16, True)                        # ATen's, as recorded
+            assert at(True) == (bf16, False) and asked[-1] is True  # raced again (the hook)
+        n = len(asked)
+        rec(c_fp32=False, w_fp32=True)
+        assert at(True) == (bf16, True) and at(False) == (bf16, True) and len(asked) == n
+        gm.set_registry_miss_hook(None)                 # first-use tuning off: the entry stands
+        rec()
         assert at(True) == (bf16, True)
     finally:
         gm.set_registry_miss_hook(None)

@@ -248,16 +248,11 @@ def test_bf16_working_copies_are_written_in_the_pass_and_never_served_stale():
             assert torch.equal(copy16.bf16, v.detach().to(torch.bfloat16)) and copy16.version == v._version
 
 
-@pytest.mark.skipif(not __import__("autohc.torch.served", fromlist=["x"]).bf16_served(),
-                    reason="this CPU has no bf16 GEMM back-end")
-def test_autocast_linears_read_the_working_copy_and_give_the_masters_bits():
-    """Under install() and autocast bf16, a Linear whose weight has a working copy runs its
-    forward and dX on the copy (counted), with the same bits as on the fp32 master (rows past
-    the skinny paths, whose fp32-weight form sums another way); after an edit the copy is taken
-    again before it is read: a stale copy would give the old weight's output."""
-    import autohc
-    from autohc.torch import frozen
-    torch.manual_seed(4)
+def _linear_with_a_working_copy(seed: int):
+    """A Linear whose optimizer keeps its weight's working copy, a twin of it without, a
+    function giving (y, dx) of a module's forward and backward under autocast bf16 on a fixed
+    input, and the optimizer (which holds the copy)."""
+    torch.manual_seed(seed)
     lin = torch.nn.Linear(96, 160)
     twin = copy.deepcopy(lin)
     opt = O.AdamW(lin.parameters(), lr=1e-2)
@@ -270,6 +265,19 @@ def test_autocast_linears_read_the_working_copy_and_give_the_masters_bits():
             y = m(xg)
         y.float().square().sum().backward()
         return y, xg.grad
+    return lin, twin, fwd_bwd, opt
+
+
+@pytest.mark.skipif(not __import__("autohc.torch.served", fromlist=["x"]).bf16_served(),
+                    reason="this CPU has no bf16 GEMM back-end")
+def test_autocast_linears_read_the_working_copy_and_give_the_masters_bits():
+    """Under install() and autocast bf16, a Linear whose weight has a working copy runs its
+    forward and dX on the copy (counted), with the same bits as on the fp32 master (rows past
+    the skinny paths, whose fp32-weight form sums another way); after an edit the copy is taken
+    again before it is read: a stale copy would give the old weight's output."""
+    import autohc
+    from autohc.torch import frozen
+    lin, twin, fwd_bwd, opt = _linear_with_a_working_copy(4)
     with autohc.installed(first_use_tuning=False):
         n = frozen.stats["working"]
         y, dx = fwd_bwd(lin)
@@ -284,6 +292,34 @@ def test_autocast_linears_read_the_working_copy_and_give_the_masters_bits():
         assert frozen.stats["working"] - n == 2 and frozen.stats["refreshes"] - r == 1
         assert torch.equal(y, fwd_bwd(twin)[0])
 
+
+
+@pytest.mark.skipif(not __import__("autohc.torch.served", fromlist=["x"]).bf16_served(),
+                    reason="this CPU has no bf16 GEMM back-end")
+def test_atens_way_back_reads_the_working_copy_and_gives_stock_autocasts_bits(monkeypatch):
+    """Where ATen runs an autocast Linear (first-use tuning timed it faster; here every bf16 GEMM
+    says so), its forward and dX multiply the weight's working copy instead of casting the fp32
+    master on every call: counted, stock autocast's bits, and taken again after an edit."""
+    import autohc
+    from autohc.kernels.gemm.matmul import AtenFaster
+    from autohc.torch import autocast as A, frozen
+
+    def aten_faster(*args, **kw):
+        raise AtenFaster("every bf16 GEMM (this test)")
+    monkeypatch.setattr(A, "gemm_bf16_into", aten_faster)
+    lin, twin, fwd_bwd, opt = _linear_with_a_working_copy(5)
+    for edit in (False, True):
+        if edit:
+            with torch.no_grad():
+                lin.weight.mul_(0.5)
+                twin.weight.mul_(0.5)
+        want = fwd_bwd(twin)                            # stock autocast (not installed)
+        with autohc.installed(first_use_tuning=False):
+            n, r = frozen.stats["working"], frozen.stats["refreshes"]
+            got = fwd_bwd(lin)
+            # forward and dX, each asked by the kernel's side (before ATen's win is known) and by ATen's
+            assert frozen.stats["working"] - n == 4 and frozen.stats["refreshes"] - r == int(edit)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 def _stepped_under_install(make_opt, params_of, steps=5, **install):
     """The same parameters and gradients stepped by make_opt's torch optimizer outside and

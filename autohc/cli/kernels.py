@@ -131,6 +131,8 @@ def _first_use_entries(registry) -> list[str]:
                if e.get("aten_faster") else "default kept" if kept else "candidate won")
         if e.get("c_fp32"):             # (raced into an fp32 C, ATen's product cast into it)
             how += "; raced into an fp32 C"
+        if e.get("w_fp32"):             # (raced on an fp32 weight, ATen's contender casting it)
+            how += "; raced on an fp32 weight"
         ways = f"{p.get('jc_ways', 1)}x{p.get('ic_ways', 1)}x{p.get('jr_ways', 1)}"
         # (A from its rows: entries that differ only by it would read the same otherwise)
         bound = f" (N <= {p['a_direct_n']})" if p.get("a_direct_n") else ""

@@ -79,10 +79,19 @@ def autocast_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = N
     return y if x.dim() == 2 else y.view(*x.shape[:-1], N)
 
 
+def _aten_weight(w: torch.Tensor) -> torch.Tensor:
+    """The bf16 w that the way back to ATen multiplies: a copy autohc holds already (frozen, or
+    training's working copy), else a cast, as stock autocast takes on every call (the same bits)."""
+    w16 = frozen.bf16_weight(w)
+    if w16 is None:
+        w16 = frozen.working_bf16(w)
+    return w.to(torch.bfloat16) if w16 is None else w16
+
+
 def _aten_linear(x, w, b):
     """Stock autocast's forward on ATen's own kernels: bf16 copies of w and b."""
     out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
-    wt = w.to(torch.bfloat16).t()
+    wt = _aten_weight(w).t()
     if b is None:
         return served.aten_out("mm.out")(x, wt, out=out)
     return served.aten_out("addmm.out")(b.to(torch.bfloat16), x, wt, out=out)
@@ -250,7 +259,7 @@ def _dx(dy: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     def kernel():
         gemm_bf16_into(dy, _kernel_weight(w, dy.shape[0]), dx, 1.0, kernel_threads())
         return served.by_autohc(dx)
-    aten = lambda: served.by_aten(served.aten_out("mm.out")(dy, w.to(torch.bfloat16), out=dx))
+    aten = lambda: served.by_aten(served.aten_out("mm.out")(dy, _aten_weight(w), out=dx))
     return fallback.kernel_or(kernel, aten, "linear_backward")
 
 

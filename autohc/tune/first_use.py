@@ -80,6 +80,7 @@ class Tuning:
     chosen: GemmParams | None = None
     aten: bool = False                  # ATen's own kernel won the race (install() leaves it ATen's)
     c_fp32: bool = False                # bf16 products into an fp32 C (autocast's weight gradients)
+    w_fp32: bool = False                # a float32 B, a Linear's weight (autocast's forward and dX)
     build_s: float = 0.0
     race_s: float = 0.0
     note: str = ""
@@ -160,18 +161,19 @@ def _build(t: Tuning) -> None:
 
 
 def on_miss(layout: str, M: int, K: int, N: int, threads: int, dtype: str = "fp32",
-            c_fp32: bool = False) -> tuple[GemmParams | None, bool]:
+            c_fp32: bool = False, w_fp32: bool = False) -> tuple[GemmParams | None, bool]:
     """The registry had nothing for this problem: None (run the default) while its tuning is
     under way, the winner from the call that finishes it on; and whether that answer is
     settled (the tuning ended or was skipped: the matmul remembers it). c_fp32: the call
-    that met it writes bf16 products into an fp32 C, which its race then times."""
+    that met it writes bf16 products into an fp32 C, which its race then times; w_fp32: its B
+    is a float32 weight, which the race's contenders then read as the call's ways do."""
     if getattr(_busy, "on", False):
         return None, False
     key = GEMM.problem_key(layout, K, N, M, threads, dtype)
     with _lock:
         t = _tunings.get(key)
         if t is None:
-            t = _tunings[key] = _start(layout, M, K, N, threads, dtype, c_fp32)
+            t = _tunings[key] = _start(layout, M, K, N, threads, dtype, c_fp32, w_fp32)
             return None, t.state == "skipped"
     _race_if_ready(t)
     return t.chosen, t.state in ("done", "skipped", "failed")
@@ -209,12 +211,12 @@ def _skinny_candidates(problem: GemmProblem, default: GemmParams) -> list[GemmPa
 
 
 def _start(layout: str, M: int, K: int, N: int, threads: int, dtype: str,
-           c_fp32: bool = False) -> Tuning:
+           c_fp32: bool = False, w_fp32: bool = False) -> Tuning:
     default = default_kernel_params(threads, dtype=dtype)
     problem = GemmProblem("first-use", layout, M, K, N)
     skinny = _skinny_candidates(problem, default)
     t = Tuning(problem, threads, default, skinny or _candidates(default.isa, default),
-               c_fp32=c_fp32 and dtype == "bf16")
+               c_fp32=c_fp32 and dtype == "bf16", w_fp32=w_fp32 and dtype == "bf16")
     if not skinny and (problem.flops < MIN_FLOPS or min(M, N) <= default.skinny_m or not t.candidates):
         if _aten_runner is None or problem.flops <= 0:
             t.state, t.note = "skipped", "too small to gain from tuning" if t.candidates else "no candidates"
@@ -243,12 +245,18 @@ def _contenders(t: Tuning, finalists: dict[str, GemmParams],
     an fp32 C does not), or with c_fp32 into an fp32 C (autocast's weight gradients), which
     ATen's contender fills as their way back to ATen does (torch/autocast.py: a bf16 product,
     then the cast). Raced into a bf16 C, ATen could win a problem that the cast then made
-    slower (docs/history.md, stop 67)."""
+    slower (docs/history.md, stop 67). With w_fp32, B is float32, as a Linear's weight under
+    autocast: autohc's kernels round it while packing, and ATen's contender takes the bf16 copy
+    that its way back takes on every call (torch/autocast.py) inside the timed run."""
     a, b = t.problem.operands(seed=1, dtype=dtype)
     out = torch.empty(a.shape[0], b.shape[1], dtype=torch.float32 if t.c_fp32 else dtype or torch.float32)
+    if t.w_fp32:
+        b = t.problem.operands(seed=1)[1]
     runs = {k: (lambda p=p: gemm_matmul.matmul(a, b, out=out, params=p)) for k, p in finalists.items()}
     aten = _aten_runner
-    if aten is not None and out.dtype != a.dtype:
+    if aten is not None and t.w_fp32:
+        runs["aten"] = lambda: aten(a, b.to(a.dtype), out)
+    elif aten is not None and out.dtype != a.dtype:
         c16 = torch.empty(out.shape, dtype=a.dtype)
 
         def rounded():
@@ -294,7 +302,8 @@ def _race(t: Tuning) -> None:
                     source="first-use", default_gflops=round(gf["default"], 2),
                     default_kept=ours == "default", aten_faster=t.aten,
                     candidates=len(finalists) - 1, build_s=round(t.build_s, 2),
-                    race_s=round(t.race_s, 2), **({"c_fp32": t.c_fp32} if t.default.dtype == "bf16" else {}))
+                    race_s=round(t.race_s, 2),
+                    **({"c_fp32": t.c_fp32, "w_fp32": t.w_fp32} if t.default.dtype == "bf16" else {}))
     t.state = "done"
 
 
@@ -325,7 +334,7 @@ def finish_pending() -> float:
 
 
 def finish(layout: str, M: int, K: int, N: int, threads: int, dtype: str = "fp32",
-           c_fp32: bool = False) -> Tuning | None:
+           c_fp32: bool = False, w_fp32: bool = False) -> Tuning | None:
     """This problem's first-use tuning, started if needed and run to the end now (what
     `autohc bench gemm` times apart), raced into an fp32 C where c_fp32 (on_miss). None if
     first-use tuning is off."""
@@ -333,6 +342,6 @@ def finish(layout: str, M: int, K: int, N: int, threads: int, dtype: str = "fp32
         return None
     key = GEMM.problem_key(layout, K, N, M, threads, dtype)
     if key not in tunings():
-        on_miss(layout, M, K, N, threads, dtype, c_fp32)
+        on_miss(layout, M, K, N, threads, dtype, c_fp32, w_fp32)
     finish_pending()
     return tunings()[key]

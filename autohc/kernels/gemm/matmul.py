@@ -35,8 +35,9 @@ except ImportError:  # pragma: no cover
     torch = None
 
 
-# Called with (layout, M, K, N, threads, dtype, c_fp32) of a Linear problem the registry has no
-# entry for (c_fp32: bf16 products into an fp32 C, as autocast's weight gradients); answers (the
+# Called with (layout, M, K, N, threads, dtype, c_fp32, w_fp32) of a Linear problem the registry
+# has no entry for (c_fp32: bf16 products into an fp32 C, as autocast's weight gradients; w_fp32:
+# a bf16 product whose B is a float32 weight, as autocast's forward and dX); answers (the
 # parameters to run or None for the default, settled): settled where that answer holds for the
 # rest of the process (the problem's tuning ended or was skipped), so that it can be remembered.
 # Set by tune/first_use.enable().
@@ -84,25 +85,25 @@ class AtenFaster(Exception):
 
 
 def _override_params(A: "_Operand", B: "_Operand", threads: int, dtype: str,
-                     c_fp32: bool = False, aten_wins: bool = True) -> GemmParams:
+                     c_fp32: bool = False, aten_wins: bool = True, w_fp32: bool = False) -> GemmParams:
     """tuned_params for the torch override, or AtenFaster where aten_wins (one choice per call:
     it runs on every GEMM)."""
     params, aten = _choice(A.shape[0], A.shape[1], B.shape[1], A.strides, B.strides, threads, dtype,
-                           c_fp32)
+                           c_fp32, w_fp32)
     if aten and aten_wins:
         raise AtenFaster(f"{A.shape[0]}x{A.shape[1]}x{B.shape[1]} {dtype}")
     return cftp.geometry(params)
 
 
 def _choice(m: int, k: int, n: int, sa, sb, threads: int, dtype: str,
-            c_fp32: bool = False) -> tuple[GemmParams, bool]:
+            c_fp32: bool = False, w_fp32: bool = False) -> tuple[GemmParams, bool]:
     state, hook = registry.memo(), _registry_miss_hook
     if _choices["registry"] is not state or _choices["hook"] is not hook:
         _choices.update(registry=state, hook=hook, params={})
-    key = _choice_key(m, k, n, sa, sb, threads, dtype, c_fp32)
+    key = _choice_key(m, k, n, sa, sb, threads, dtype, c_fp32, w_fp32)
     choice = _choices["params"].get(key)
     if choice is None:
-        params, aten, settled = _chosen_params(m, k, n, sa, sb, threads, dtype, hook, c_fp32)
+        params, aten, settled = _chosen_params(m, k, n, sa, sb, threads, dtype, hook, c_fp32, w_fp32)
         choice = (params, aten)
         if settled:
             if len(_choices["params"]) >= MAX_CHOICES:     # (shapes that keep changing)
@@ -111,12 +112,13 @@ def _choice(m: int, k: int, n: int, sa, sb, threads: int, dtype: str,
     return choice
 
 
-def _choice_key(m: int, k: int, n: int, sa, sb, threads: int, dtype: str, c_fp32: bool) -> tuple:
-    return (registry.layout_of(sa[0], sa[1], sb[0], sb[1]), m, k, n, threads, dtype, c_fp32)
+def _choice_key(m: int, k: int, n: int, sa, sb, threads: int, dtype: str, c_fp32: bool,
+                w_fp32: bool = False) -> tuple:
+    return (registry.layout_of(sa[0], sa[1], sb[0], sb[1]), m, k, n, threads, dtype, c_fp32, w_fp32)
 
 
 def _chosen_params(m: int, k: int, n: int, sa, sb, threads: int, dtype: str,
-                   hook, c_fp32: bool = False) -> tuple[GemmParams, bool, bool]:
+                   hook, c_fp32: bool = False, w_fp32: bool = False) -> tuple[GemmParams, bool, bool]:
     """The parameters, whether ATen runs the problem instead, and whether the two hold until
     the registry or the hook changes."""
     layout = registry.layout_of(sa[0], sa[1], sb[0], sb[1])
@@ -124,12 +126,12 @@ def _chosen_params(m: int, k: int, n: int, sa, sb, threads: int, dtype: str,
         M, K, N = registry.linear_dims(layout, m, k, n)
         hit = registry.lookup("gemm", layout, K, N, M, threads, dtype=dtype)
         if (hit is not None and not outdated_default(hit, threads) and not _drops_skinny_paths(hit[0], M, threads)
-                and (hook is None or not _aten_raced_without_the_cast(hit, c_fp32))):
+                and (hook is None or not _aten_raced_without_the_cast(hit, c_fp32, w_fp32))):
             entry = hit[1]              # (ATen's win holds for its own M bucket only)
             aten = bool(entry.get("aten_faster")) and m_bucket(entry.get("M", 0)) == m_bucket(M)
             return hit[0], aten, True
         if hook is not None:
-            chosen, settled = hook(layout, M, K, N, threads, dtype, c_fp32)
+            chosen, settled = hook(layout, M, K, N, threads, dtype, c_fp32, w_fp32)
             return chosen or default_kernel_params(threads, dtype=dtype), False, settled
     return default_kernel_params(threads, dtype=dtype), False, True
 
@@ -141,15 +143,17 @@ def _drops_skinny_paths(params: GemmParams, M: int, threads: int) -> bool:
     return params.skinny_m < M <= default_kernel_params(threads, dtype=params.dtype).skinny_m
 
 
-def _aten_raced_without_the_cast(hit, c_fp32: bool) -> bool:
-    """A first-use entry from before races knew the caller's C (no `c_fp32` field) that gave
-    ATen a bf16 problem which this call writes into an fp32 C (autocast's weight gradient):
-    that race timed ATen without the cast into dW that the way back to ATen adds, so the
-    problem is raced again where first-use tuning is on (and the new entry says which C it
-    timed); with it off the entry stands."""
+def _aten_raced_without_the_cast(hit, c_fp32: bool, w_fp32: bool = False) -> bool:
+    """A first-use entry that gave ATen a bf16 problem raced without a cast that this call's
+    way back to ATen adds: into an fp32 C (c_fp32, autocast's weight gradient) by a race from
+    before races knew the caller's C (no `c_fp32` field), or from an fp32 weight (w_fp32, the
+    bf16 copy autocast's forward and dX take each call) by a race on a bf16 B (no `w_fp32`
+    field, or false). The problem is raced again where first-use tuning is on (and the new
+    entry says what it timed); with it off the entry stands."""
     params, entry = hit
-    return (c_fp32 and params.dtype == "bf16" and entry.get("source") == "first-use"
-            and bool(entry.get("aten_faster")) and "c_fp32" not in entry)
+    if not (params.dtype == "bf16" and entry.get("source") == "first-use" and entry.get("aten_faster")):
+        return False
+    return (c_fp32 and "c_fp32" not in entry) or (w_fp32 and not entry.get("w_fp32"))
 
 
 def outdated_default(hit, threads: int) -> bool:
@@ -535,14 +539,15 @@ def gemm_bf16_into_whole(a, b, out, alpha: float, threads: int, bias=None, beta:
     allowed) GELU's bf16 pre-activation: fc2's input gradient and GELU's backward in one
     kernel."""
     A, B = operand_raw(a), operand_raw(b)
+    w_fp32 = B.f32 and not A.f32        # (a Linear's fp32 weight, which ATen's way back casts)
     # (an ATen win raced on the plain product does not hold with an epilogue: ATen would add its pass)
     try:
-        params = _override_params(A, B, threads, "bf16", aten_wins=epilogue == "none")
+        params = _override_params(A, B, threads, "bf16", aten_wins=epilogue == "none", w_fp32=w_fp32)
     except AtenFaster:
-        if made is not None and _settled(A, B, threads, "bf16"):
+        if made is not None and _settled(A, B, threads, "bf16", w_fp32):
             made.append(_Route16(True, None, None, 0, None, False, False))
         raise
-    settled = made is not None and _settled(A, B, threads, "bf16")
+    settled = made is not None and _settled(A, B, threads, "bf16", w_fp32)
     if epilogue != "none":
         if params.isa not in BF16_ISAS:
             raise KernelError(f"epilogue {epilogue}: no bf16 store on the {params.isa} back-end")
@@ -563,10 +568,10 @@ def gemm_bf16_into_whole(a, b, out, alpha: float, threads: int, bias=None, beta:
     return True
 
 
-def _settled(A: "_Operand", B: "_Operand", threads: int, dtype: str) -> bool:
+def _settled(A: "_Operand", B: "_Operand", threads: int, dtype: str, w_fp32: bool = False) -> bool:
     """Whether the problem's choice is settled (kept until the registry or the hook changes;
     not while first-use tuning is still racing it): only then may a route remember it."""
-    key = _choice_key(A.shape[0], A.shape[1], B.shape[1], A.strides, B.strides, threads, dtype, False)
+    key = _choice_key(A.shape[0], A.shape[1], B.shape[1], A.strides, B.strides, threads, dtype, False, w_fp32)
     return key in _choices["params"]
 
 
