@@ -693,3 +693,67 @@ def test_an_entry_giving_atens_product_on_a_bf16_weight_is_raced_again_for_an_fp
         assert at(True) == (bf16, True)
     finally:
         gm.set_registry_miss_hook(None)
+
+
+def test_a_short_job_races_the_default_against_aten_only(fresh, monkeypatch):
+    """Inside expect_calls(n) with n under CANDIDATE_MIN_CALLS, a problem that would race
+    candidates races the default against ATen only (nothing built), and its entry says how many
+    calls the job had; a job of unknown length or a long one builds the candidates as before.
+    Problems that race no candidates anyway (small ones) are not marked."""
+    from autohc.kernels.gemm.kernel import default_kernel_params
+    built = []
+    monkeypatch.setattr(first_use, "_build", lambda t: built.append(t.problem.N))
+    first_use.set_aten_runner(lambda a, b, out: torch.mm(a, b, out=out))
+    try:
+        with pytest.raises(ValueError):
+            with first_use.expect_calls(-1):
+                pass
+        start = lambda n: first_use._start("NT", 512, 384, n, 1, "bf16")   # noqa: E731
+        with first_use.expect_calls(600):
+            assert not first_use.races_candidates()
+            short, small = start(1152), first_use._start("NT", 16, 16, 16, 1, "bf16")
+        assert short.candidates == [] and short.state == "ready" and short.calls_ahead == 600
+        assert "leaves the candidates out" in short.note and small.calls_ahead is None
+        for calls in (None, first_use.CANDIDATE_MIN_CALLS):
+            with first_use.expect_calls(calls):
+                t = start(1536 if calls is None else 768)
+            assert t.candidates and t.calls_ahead is None
+            t.thread.join()
+        assert sorted(built) == [768, 1536] and first_use.races_candidates()
+        monkeypatch.setattr(first_use.timing, "interleaved",
+                            lambda fns, **kw: {k: first_use.timing.Timing(1e-3, 0.01) for k in fns})
+        first_use._race(short)
+    finally:
+        first_use.set_aten_runner(None)
+    entry, = registry.entries_for_this_cpu("gemm").values()
+    assert entry["calls_ahead"] == 600 and entry["candidates"] == 0
+
+
+def test_a_short_jobs_entry_is_raced_again_by_a_longer_job(fresh):
+    """An entry raced without its candidates for a short job (`calls_ahead`) stands for calls
+    where first-use tuning would leave them out too, and is raced again where it would race them
+    (a longer job); an entry raced with them stands for every job."""
+    from autohc.kernels.gemm import matmul as gm
+    from autohc.kernels.gemm.kernel import default_kernel_params
+    asked = []
+
+    def hook(layout, M, K, N, threads, dtype, c_fp32, w_fp32):
+        asked.append(N)
+        return None, True
+    bf16 = default_kernel_params(1, dtype="bf16")
+    sa, sb = (384, 1), (1, 384)
+    at = lambda: gm._choice(512, 384, 1152, sa, sb, 1, "bf16")      # noqa: E731
+    try:
+        gm.set_registry_miss_hook(hook)
+        for long_job in (False, True):
+            hook.races_candidates = lambda: long_job    # noqa: B023
+            for short in (True, False):
+                gm.forget_choices()
+                registry.record("gemm", "NT", 384, 1152, 512, 1, bf16, 100.0, 90.0, source="first-use",
+                                default_gflops=100.0, default_kept=True, aten_faster=False,
+                                **({"calls_ahead": 600} if short else {}))
+                n = len(asked)
+                at()
+                assert len(asked) - n == int(long_job and short)
+    finally:
+        gm.set_registry_miss_hook(None)

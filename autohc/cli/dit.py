@@ -387,6 +387,13 @@ def _kernels(args):
     return autohc.installed(first_use_tuning=not getattr(args, "no_first_use_tuning", False))
 
 
+def _job_of(model, forwards: int):
+    """first-use tuning told the length of the job ahead (`forwards` forwards or steps of model)."""
+    from ..dit.model import gemm_calls
+    from ..tune import first_use
+    return first_use.expect_calls(gemm_calls(model, forwards))
+
+
 def _fused_ops(args):
     """autohc's fused operators for the model, unless --no-autohc."""
     from ..dit.train import autohc_ops
@@ -517,7 +524,8 @@ def _run_trainer(trainer, args, launch) -> int:
     if trainer.step >= cfg.steps:
         print(f"autohc: {args.out} is already at step {trainer.step} >= --steps {cfg.steps}", file=sys.stderr)
     try:
-        summary = trainer.run(progress=not args.no_progress)
+        with _job_of(trainer.model, max(0, cfg.steps - trainer.step)):
+            summary = trainer.run(progress=not args.no_progress)
     except checkpoint.WriteError as e:
         print(f"autohc: {e}" if launch.rank == 0 else f"autohc: rank {launch.rank}: stopping: {e}",
               file=sys.stderr, flush=True)
@@ -605,7 +613,7 @@ def cmd_sample(args) -> int:
     check_sampling_inputs(arch, classes, per_class)
     decode = latent_decoder(arch, args.vae)     # a bad --vae: said before any sampling
     prec = _sampling_precision(args)
-    with _kernels(args):
+    with _kernels(args), _job_of(model, _sample_steps(args)):
         x, _ = _generate(model, arch, classes, per_class, args, progress=True, precision=prec)
     save_grid(x if decode is None else decode(x), len(classes), out)
     if args.json:
@@ -624,7 +632,7 @@ def _eval_digits(ckpt, args, progress: bool) -> dict:
     check_sampling_inputs(arch, list(range(10)), args.per_class)
     decode = latent_decoder(arch, args.vae)     # a bad --vae: said before any sampling
     prec = _sampling_precision(args)
-    with _kernels(args):
+    with _kernels(args), _job_of(model, _sample_steps(args)):
         x, y = _generate(model, arch, list(range(10)), args.per_class, args, progress=progress,
                          precision=prec)
     x = x if decode is None else decode(x)

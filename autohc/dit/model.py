@@ -339,6 +339,12 @@ class DiT(nn.Module):
         return 2.0 * (blocks + ends)
 
 
+def gemm_calls(model: nn.Module, forwards: int) -> int:
+    """How often `forwards` forwards (or training steps) of `model` call each of its blocks' GEMM
+    problems: once a block (what first-use tuning weighs its candidates' race against)."""
+    return forwards * max(1, len(getattr(model, "blocks", ())))
+
+
 def sincos_2d(dim: int, grid: int) -> np.ndarray:
     """The reference's get_2d_sincos_pos_embed (MAE): (grid*grid, dim)."""
     ar = np.arange(grid, dtype=np.float32)

@@ -26,6 +26,7 @@ budget in seconds per problem (default 3; compiles run before it, in the backgro
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
@@ -51,6 +52,10 @@ from .verify import GemmVerifier, WrongResult
 MIN_FLOPS = 2e8         # smaller problems: a race would cost more than it could ever win back
 MIN_SKINNY_FLOPS = 1e7  # the skinny race holds one candidate, built in a second (DiT-S/2 adaLN: 1.4e7)
 SAMPLES = 5
+# A race of the candidates costs about a thousand calls of its problem (seven candidates, each
+# timed twice): a job that calls the problem fewer times than this races the default against
+# ATen only, so that the candidates' race is never more than a few per cent of its time there.
+CANDIDATE_MIN_CALLS = 20_000
 
 
 def env_off() -> bool:
@@ -81,6 +86,7 @@ class Tuning:
     aten: bool = False                  # ATen's own kernel won the race (install() leaves it ATen's)
     c_fp32: bool = False                # bf16 products into an fp32 C (autocast's weight gradients)
     w_fp32: bool = False                # a float32 B, a Linear's weight (autocast's forward and dX)
+    calls_ahead: int | None = None      # the candidates left out: a job of this many calls
     build_s: float = 0.0
     race_s: float = 0.0
     note: str = ""
@@ -92,6 +98,7 @@ _spent = {"race_s": 0.0, "build_s": 0.0}   # totals of this process (bench step 
 _busy = threading.local()               # the race's own GEMMs must not start tunings
 _enabled = False
 _aten_runner = None                     # fn(a, b, out): out := a @ b by ATen's own kernel
+_calls_ahead: list[int | None] = [None]  # expect_calls' stack: None, a job of unknown length
 
 
 def set_aten_runner(fn) -> None:
@@ -111,6 +118,35 @@ def enable(on: bool = True) -> None:
 
 def enabled() -> bool:
     return _enabled
+
+
+@contextlib.contextmanager
+def expect_calls(calls: int | None):
+    """Inside the block, the job ahead calls each GEMM problem it meets about `calls` times (a
+    command that knows its length says so: its forwards or steps times the model's depth;
+    outside, and with None: unknown). A problem met where that is under CANDIDATE_MIN_CALLS
+    races the default against ATen only, its candidates left out (its entry says `calls_ahead`);
+    a longer job that meets such an entry races the problem again, candidates included."""
+    if calls is not None and (isinstance(calls, bool) or not isinstance(calls, int) or calls < 0):
+        raise ValueError(f"expect_calls: a count of calls or None, not {calls!r}")
+    _calls_ahead.append(calls)
+    gemm_matmul.forget_choices()        # (choices made for a job of another length)
+    try:
+        yield
+    finally:
+        _calls_ahead.pop()
+        gemm_matmul.forget_choices()
+
+
+def _short_job() -> bool:
+    calls = _calls_ahead[-1]
+    return calls is not None and calls < CANDIDATE_MIN_CALLS
+
+
+def races_candidates() -> bool:
+    """Whether a problem met now would race its candidates (the job ahead is long enough, or of
+    unknown length)."""
+    return not _short_job()
 
 
 def tunings() -> dict[str, Tuning]:
@@ -179,6 +215,9 @@ def on_miss(layout: str, M: int, K: int, N: int, threads: int, dtype: str = "fp3
     return t.chosen, t.state in ("done", "skipped", "failed")
 
 
+on_miss.races_candidates = races_candidates    # (matmul asks it of a short job's entries)
+
+
 def _race_if_ready(t: Tuning) -> None:
     """Race `t` here if its compiles are done and no other thread has claimed it."""
     with _lock:
@@ -217,11 +256,17 @@ def _start(layout: str, M: int, K: int, N: int, threads: int, dtype: str,
     skinny = _skinny_candidates(problem, default)
     t = Tuning(problem, threads, default, skinny or _candidates(default.isa, default),
                c_fp32=c_fp32 and dtype == "bf16", w_fp32=w_fp32 and dtype == "bf16")
-    if not skinny and (problem.flops < MIN_FLOPS or min(M, N) <= default.skinny_m or not t.candidates):
+    small = problem.flops < MIN_FLOPS or min(M, N) <= default.skinny_m
+    short = not (skinny or small) and bool(t.candidates) and _short_job()
+    if short:
+        t.calls_ahead = _calls_ahead[-1]
+    if not skinny and (small or not t.candidates or short):
         if _aten_runner is None or problem.flops <= 0:
             t.state, t.note = "skipped", "too small to gain from tuning" if t.candidates else "no candidates"
         else:                           # nothing to build: the default against ATen, next call
             t.candidates, t.state, t.note = [], "ready", "the default raced against ATen only; "
+            if short:
+                t.note += f"a job of {t.calls_ahead} calls leaves the candidates out; "
         return t
     t.thread = threading.Thread(target=_build, args=(t,), name="autohc-first-use-build", daemon=True)
     t.thread.start()
@@ -303,6 +348,7 @@ def _race(t: Tuning) -> None:
                     default_kept=ours == "default", aten_faster=t.aten,
                     candidates=len(finalists) - 1, build_s=round(t.build_s, 2),
                     race_s=round(t.race_s, 2),
+                    **({"calls_ahead": t.calls_ahead} if t.calls_ahead is not None else {}),
                     **({"c_fp32": t.c_fp32, "w_fp32": t.w_fp32} if t.default.dtype == "bf16" else {}))
     t.state = "done"
 

@@ -126,7 +126,8 @@ def _chosen_params(m: int, k: int, n: int, sa, sb, threads: int, dtype: str,
         M, K, N = registry.linear_dims(layout, m, k, n)
         hit = registry.lookup("gemm", layout, K, N, M, threads, dtype=dtype)
         if (hit is not None and not outdated_default(hit, threads) and not _drops_skinny_paths(hit[0], M, threads)
-                and (hook is None or not _aten_raced_without_the_cast(hit, c_fp32, w_fp32))):
+                and (hook is None or not (_aten_raced_without_the_cast(hit, c_fp32, w_fp32)
+                                          or _raced_for_a_shorter_job(hit, hook)))):
             entry = hit[1]              # (ATen's win holds for its own M bucket only)
             aten = bool(entry.get("aten_faster")) and m_bucket(entry.get("M", 0)) == m_bucket(M)
             return hit[0], aten, True
@@ -154,6 +155,13 @@ def _aten_raced_without_the_cast(hit, c_fp32: bool, w_fp32: bool = False) -> boo
     if not (params.dtype == "bf16" and entry.get("source") == "first-use" and entry.get("aten_faster")):
         return False
     return (c_fp32 and "c_fp32" not in entry) or (w_fp32 and not entry.get("w_fp32"))
+
+
+def _raced_for_a_shorter_job(hit, hook) -> bool:
+    """A first-use entry raced without its candidates for a job too short to pay for them (its
+    `calls_ahead`), met where the hook would race them now (a longer job, or one of unknown
+    length: tune/first_use.py's expect_calls): raced again."""
+    return "calls_ahead" in hit[1] and getattr(hook, "races_candidates", lambda: False)()
 
 
 def outdated_default(hit, threads: int) -> bool:
