@@ -9,7 +9,9 @@ bf16 operands, and are recorded under their own (dtype) key.
                            background thread (gcc runs beside the caller's work).
     (under install(), ATen's own kernel is a contender too: where it wins, the entry says
                            `aten_faster` and install() leaves that problem to ATen; problems too
-                           small or too skinny for candidates race the default against it alone)
+                           small or too skinny for candidates race the default against it alone,
+                           and so do all problems of a job that says it is too short to pay for
+                           the candidates' race: expect_calls)
     a later call, once they are built: each candidate is verified (GemmVerifier: a wrong one can
                            never win), then the default and the candidates are raced by the one
                            timing protocol within the budget; the default is kept unless beaten by
@@ -138,15 +140,11 @@ def expect_calls(calls: int | None):
         gemm_matmul.forget_choices()
 
 
-def _short_job() -> bool:
-    calls = _calls_ahead[-1]
-    return calls is not None and calls < CANDIDATE_MIN_CALLS
-
-
 def races_candidates() -> bool:
     """Whether a problem met now would race its candidates (the job ahead is long enough, or of
     unknown length)."""
-    return not _short_job()
+    calls = _calls_ahead[-1]
+    return calls is None or calls >= CANDIDATE_MIN_CALLS
 
 
 def tunings() -> dict[str, Tuning]:
@@ -257,7 +255,7 @@ def _start(layout: str, M: int, K: int, N: int, threads: int, dtype: str,
     t = Tuning(problem, threads, default, skinny or _candidates(default.isa, default),
                c_fp32=c_fp32 and dtype == "bf16", w_fp32=w_fp32 and dtype == "bf16")
     small = problem.flops < MIN_FLOPS or min(M, N) <= default.skinny_m
-    short = not (skinny or small) and bool(t.candidates) and _short_job()
+    short = not (skinny or small) and bool(t.candidates) and not races_candidates()
     if short:
         t.calls_ahead = _calls_ahead[-1]
     if not skinny and (small or not t.candidates or short):
