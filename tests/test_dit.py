@@ -324,7 +324,14 @@ def test_kill_9_never_leaves_an_unloadable_checkpoint(tmp_path, automem):
 
 # ------------------------------------------------------------------ sampling, CLI, eval
 
-def test_train_cli_sample_and_eval(tmp_path, capsys):
+def test_train_cli_sample_and_eval(tmp_path, capsys, monkeypatch):
+    from autohc.tune import first_use
+    told, expect = [], first_use.expect_calls          # what each command tells first-use tuning
+
+    def told_calls(calls):
+        told.append(calls)
+        return expect(calls)
+    monkeypatch.setattr(first_use, "expect_calls", told_calls)
     out = tmp_path / "run"
     assert main(["train", "--model", "DiT-Ti/8", "--data", "digits", "--steps", "4", "--batch", "8",
                  "--out", str(out), "--ckpt-every", "2", "--no-progress", "--samples-per-class", "2",
@@ -339,6 +346,7 @@ def test_train_cli_sample_and_eval(tmp_path, capsys):
                  "--steps", "2", "--cfg", "3", "--out", str(grid)]) == 0
     w, h = Image.open(grid).size
     assert w > 2 * h                                     # 2 rows of 5
+    assert told == [4 * 12, 2 * 12]                     # steps, then sampling steps, x DiT-Ti's 12 blocks
     capsys.readouterr()
     assert main(["sample", "--ckpt", str(out), "--classes", "12", "--out", str(grid)]) == 2
     assert "out of range" in capsys.readouterr().err
@@ -350,6 +358,7 @@ def test_train_cli_sample_and_eval(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "expected an integer in [1, 1000], got 1001" in err and not (tmp_path / "no.png").exists()
     assert main(["eval", "--ckpt", str(out), "--per-class", "3", "--sample-steps", "2", "--json"]) == 0
+    assert told[-1] == 2 * 12
     r = json.loads(capsys.readouterr().out)
     assert r["samples"] == 30 and 0 <= r["class_match"] <= 1 and r["frechet"] > 0
     _bad_inputs_of_sample_eval_compare_train(out, tmp_path, capsys)

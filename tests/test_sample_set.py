@@ -254,12 +254,22 @@ def test_bad_input_is_one_line_exit_2_nothing_written(case, ckpt, tmp_path, caps
     assert sorted(p.name for p in tmp_path.iterdir()) == listing and blocker.read_text() == "x"
 
 
-def test_a_set_from_a_model_without_label_dropout_defaults_to_no_guidance(ckpt, tmp_path, capsys):
+def test_a_set_from_a_model_without_label_dropout_defaults_to_no_guidance(ckpt, tmp_path, capsys, monkeypatch):
+    from autohc.dit.sample import load_model
+    from autohc.tune import first_use
+    told, expect = [], first_use.expect_calls
+
+    def told_calls(calls):
+        told.append(calls)
+        return expect(calls)
+    monkeypatch.setattr(first_use, "expect_calls", told_calls)
     out = tmp_path / "s.npz"
     assert main(["sample", "--ckpt", str(_no_dropout_ckpt(ckpt, tmp_path / "c.pt")), "--num", "3", "--no-autohc",
                  "--sample-steps", "2", "--classes", "2", "5", "--out", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["cfg"] == 1.0
     assert set(_load(out)["labels"].tolist()) <= {2, 5}
+    # first-use tuning told the set's length: one batch of 2 steps, through each of the model's blocks
+    assert told == [2 * len(load_model(ckpt, ema=True)[0].blocks)]
 
 
 # ------------------------------------------------- kill -9 of one rank under a launcher
