@@ -727,6 +727,9 @@ def test_a_short_job_races_the_default_against_aten_only(fresh, monkeypatch):
         first_use.set_aten_runner(None)
     entry, = registry.entries_for_this_cpu("gemm").values()
     assert entry["calls_ahead"] == 600 and entry["candidates"] == 0
+    from autohc.cli.kernels import _first_use_entries
+    line, = _first_use_entries(registry)
+    assert "candidates left out for a job of 600 calls" in line
 
 
 def test_a_short_jobs_entry_is_raced_again_by_a_longer_job(fresh):

@@ -133,6 +133,8 @@ def _first_use_entries(registry) -> list[str]:
             how += "; raced into an fp32 C"
         if e.get("w_fp32"):             # (raced on an fp32 weight, ATen's contender casting it)
             how += "; raced on an fp32 weight"
+        if e.get("calls_ahead") is not None:    # (first_use.expect_calls: raced again by a longer job)
+            how += f"; candidates left out for a job of {e['calls_ahead']} calls"
         ways = f"{p.get('jc_ways', 1)}x{p.get('ic_ways', 1)}x{p.get('jr_ways', 1)}"
         # (A from its rows: entries that differ only by it would read the same otherwise)
         bound = f" (N <= {p['a_direct_n']})" if p.get("a_direct_n") else ""
