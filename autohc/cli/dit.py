@@ -387,13 +387,6 @@ def _kernels(args):
     return autohc.installed(first_use_tuning=not getattr(args, "no_first_use_tuning", False))
 
 
-def _job_of(model, forwards: int):
-    """first-use tuning told the length of the job ahead (`forwards` forwards or steps of model)."""
-    from ..dit.model import gemm_calls
-    from ..tune import first_use
-    return first_use.expect_calls(gemm_calls(model, forwards))
-
-
 def _fused_ops(args):
     """autohc's fused operators for the model, unless --no-autohc."""
     from ..dit.train import autohc_ops
@@ -507,6 +500,7 @@ def _fits_in_memory(trainer, launch) -> bool:
 
 def _run_trainer(trainer, args, launch) -> int:
     from ..dit import checkpoint
+    from ..dit.model import expect_forwards
     from ..dit.sample import plot_losses, save_grid
     from ..runtime import preempt
     from ..torch.threads import kernel_threads
@@ -524,7 +518,7 @@ def _run_trainer(trainer, args, launch) -> int:
     if trainer.step >= cfg.steps:
         print(f"autohc: {args.out} is already at step {trainer.step} >= --steps {cfg.steps}", file=sys.stderr)
     try:
-        with _job_of(trainer.model, max(0, cfg.steps - trainer.step)):
+        with expect_forwards(trainer.model, max(0, cfg.steps - trainer.step)):
             summary = trainer.run(progress=not args.no_progress)
     except checkpoint.WriteError as e:
         print(f"autohc: {e}" if launch.rank == 0 else f"autohc: rank {launch.rank}: stopping: {e}",
@@ -604,6 +598,7 @@ def cmd_sample(args) -> int:
         print("autohc: --parallel and --parallel-ranks are for a sample set (--num N): a grid is drawn "
               "in one process", file=sys.stderr)
         return 2
+    from ..dit.model import expect_forwards
     from ..dit.sample import latent_decoder, load_model, save_grid
     out = args.out or "samples.png"
     args.cfg = 2.0 if args.cfg is None else args.cfg
@@ -613,7 +608,7 @@ def cmd_sample(args) -> int:
     check_sampling_inputs(arch, classes, per_class)
     decode = latent_decoder(arch, args.vae)     # a bad --vae: said before any sampling
     prec = _sampling_precision(args)
-    with _kernels(args), _job_of(model, _sample_steps(args)):
+    with _kernels(args), expect_forwards(model, _sample_steps(args)):
         x, _ = _generate(model, arch, classes, per_class, args, progress=True, precision=prec)
     save_grid(x if decode is None else decode(x), len(classes), out)
     if args.json:
@@ -626,13 +621,14 @@ def cmd_sample(args) -> int:
 def _eval_digits(ckpt, args, progress: bool) -> dict:
     """Digits quality of a checkpoint's samples (autohc eval's figures)."""
     from ..dit.evaluate import evaluate_digits
+    from ..dit.model import expect_forwards
     from ..dit.sample import latent_decoder, load_model
     model, arch, path = load_model(ckpt, ema=not args.raw, fused_ops=_fused_ops(args))
     check_digits_model(arch, path)
     check_sampling_inputs(arch, list(range(10)), args.per_class)
     decode = latent_decoder(arch, args.vae)     # a bad --vae: said before any sampling
     prec = _sampling_precision(args)
-    with _kernels(args), _job_of(model, _sample_steps(args)):
+    with _kernels(args), expect_forwards(model, _sample_steps(args)):
         x, y = _generate(model, arch, list(range(10)), args.per_class, args, progress=progress,
                          precision=prec)
     x = x if decode is None else decode(x)

@@ -339,10 +339,11 @@ class DiT(nn.Module):
         return 2.0 * (blocks + ends)
 
 
-def gemm_calls(model: nn.Module, forwards: int) -> int:
-    """How often `forwards` forwards (or training steps) of `model` call each of its blocks' GEMM
-    problems: once a block (what first-use tuning weighs its candidates' race against)."""
-    return forwards * max(1, len(getattr(model, "blocks", ())))
+def expect_forwards(model: nn.Module, forwards: int):
+    """first-use tuning told the job ahead (tune/first_use.py expect_calls): `forwards` forwards
+    (or training steps) of `model`, which call each of its blocks' GEMM problems once a block."""
+    from ..tune import first_use
+    return first_use.expect_calls(forwards * max(1, len(getattr(model, "blocks", ()))))
 
 
 def sincos_2d(dim: int, grid: int) -> np.ndarray:

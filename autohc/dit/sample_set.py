@@ -442,15 +442,14 @@ def command(args, *, kernels: Callable, fused_ops: Callable) -> int:
             return 1
         try:
             from ..torch.frozen import frozen
-            from ..tune import first_use
             from . import sample_parallel
-            from .model import gemm_calls
+            from .model import expect_forwards
             team = sample_parallel.form(*sample_parallel.parse(s.parallel), launch.world, launch.rank)
             # bf16: each weight rounded once for the whole set; patch teams: this rank's tokens
             # (first-use tuning told this rank's share of the forwards)
             forwards = -(-s.num // (s.per_batch * launch.world)) * s.steps
             with kernels(), frozen(model), sample_parallel.token_split(model, team), \
-                    first_use.expect_calls(gemm_calls(model, forwards)):
+                    expect_forwards(model, forwards):
                 return _run(model, w.arch, s, out, decode, launch, stop, args, say, team)
         except RuntimeError as e:       # a collective that failed: one line per rank
             if launch.world == 1:

@@ -291,10 +291,10 @@ def _contenders(t: Tuning, finalists: dict[str, GemmParams],
     slower (docs/history.md, stop 67). With w_fp32, B is float32, as a Linear's weight under
     autocast: autohc's kernels round it while packing, and ATen's contender takes the bf16 copy
     that its way back takes on every call (torch/autocast.py) inside the timed run."""
-    a, b = t.problem.operands(seed=1, dtype=dtype)
+    a, b = t.problem.operands(seed=1)
+    if dtype is not None:               # (.to keeps a transposed view's strides)
+        a, b = a.to(dtype), b if t.w_fp32 else b.to(dtype)
     out = torch.empty(a.shape[0], b.shape[1], dtype=torch.float32 if t.c_fp32 else dtype or torch.float32)
-    if t.w_fp32:
-        b = t.problem.operands(seed=1)[1]
     runs = {k: (lambda p=p: gemm_matmul.matmul(a, b, out=out, params=p)) for k, p in finalists.items()}
     aten = _aten_runner
     if aten is not None and t.w_fp32:
@@ -378,7 +378,7 @@ def finish_pending() -> float:
 
 
 def finish(layout: str, M: int, K: int, N: int, threads: int, dtype: str = "fp32",
-           c_fp32: bool = False, w_fp32: bool = False) -> Tuning | None:
+           c_fp32: bool = False) -> Tuning | None:
     """This problem's first-use tuning, started if needed and run to the end now (what
     `autohc bench gemm` times apart), raced into an fp32 C where c_fp32 (on_miss). None if
     first-use tuning is off."""
@@ -386,6 +386,6 @@ def finish(layout: str, M: int, K: int, N: int, threads: int, dtype: str = "fp32
         return None
     key = GEMM.problem_key(layout, K, N, M, threads, dtype)
     if key not in tunings():
-        on_miss(layout, M, K, N, threads, dtype, c_fp32, w_fp32)
+        on_miss(layout, M, K, N, threads, dtype, c_fp32)
     finish_pending()
     return tunings()[key]
